@@ -1,0 +1,86 @@
+"""kfacx: K-FAC second-order optimization for JAX.
+
+Mark layers with the ``register_*`` functions (or let detection find them),
+register the loss on the model output, and precondition gradients with
+`BlockDiagonalCurvature`.
+"""
+
+from kfacx import blocks, linalg, losses, tags, tracer
+from kfacx.blocks import (
+    ConvTwoKroneckerFactored,
+    CurvatureBlock,
+    DenseTwoKroneckerFactored,
+    Diagonal,
+    Full,
+    LayerInfo,
+    ScaleAndShiftDiagonal,
+    ScaleAndShiftFull,
+    TwoKroneckerFactored,
+)
+from kfacx.estimator import (
+    DEFAULT_LAYER_TAG_TO_BLOCK_CTOR,
+    ESTIMATION_MODES,
+    BlockDiagonalCurvature,
+    EstimatorState,
+)
+from kfacx.losses import (
+    LossFunction,
+    NormalPredictiveLoss,
+    SigmoidCrossEntropyLoss,
+    SoftmaxCrossEntropyLoss,
+)
+from kfacx.tags import (
+    LayerTag,
+    LossTag,
+    register_conv,
+    register_conv2d,
+    register_dense,
+    register_generic,
+    register_normal_predictive_distribution,
+    register_scale_and_shift,
+    register_sigmoid_cross_entropy_loss,
+    register_softmax_cross_entropy_loss,
+    register_squared_error_loss,
+)
+from kfacx.tracer import layer_tags_vjp, loss_tags_jvp, loss_tags_vjp
+
+__version__ = "0.1.0.dev0"
+
+__all__ = [
+    "DEFAULT_LAYER_TAG_TO_BLOCK_CTOR",
+    "ESTIMATION_MODES",
+    "BlockDiagonalCurvature",
+    "ConvTwoKroneckerFactored",
+    "CurvatureBlock",
+    "DenseTwoKroneckerFactored",
+    "Diagonal",
+    "EstimatorState",
+    "Full",
+    "LayerInfo",
+    "LayerTag",
+    "LossFunction",
+    "LossTag",
+    "NormalPredictiveLoss",
+    "ScaleAndShiftDiagonal",
+    "ScaleAndShiftFull",
+    "SigmoidCrossEntropyLoss",
+    "SoftmaxCrossEntropyLoss",
+    "TwoKroneckerFactored",
+    "blocks",
+    "layer_tags_vjp",
+    "linalg",
+    "loss_tags_jvp",
+    "loss_tags_vjp",
+    "losses",
+    "register_conv",
+    "register_conv2d",
+    "register_dense",
+    "register_generic",
+    "register_normal_predictive_distribution",
+    "register_scale_and_shift",
+    "register_sigmoid_cross_entropy_loss",
+    "register_softmax_cross_entropy_loss",
+    "register_squared_error_loss",
+    "tags",
+    "tracer",
+]

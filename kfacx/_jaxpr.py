@@ -1,0 +1,131 @@
+"""Small helpers over jaxprs (public JAX API only: `jax.extend.core`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax.extend as jex
+
+from kfacx import tags
+
+Jaxpr = jex.core.Jaxpr
+JaxprEqn = jex.core.JaxprEqn
+
+# Primitives whose body runs exactly once per call: tags inside them can be
+# read by evaluating the body in place.
+_CALL_BODY_PARAMS = {
+    "jit": "jaxpr",
+    "pjit": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr",
+    "remat": "jaxpr",
+    "remat2": "jaxpr",
+    "checkpoint": "jaxpr",
+    "custom_jvp_call": "call_jaxpr",
+    "custom_vjp_call": "call_jaxpr",
+}
+
+
+def is_tag_eqn(eqn: JaxprEqn) -> bool:
+    """Whether the equation binds a layer or loss tag."""
+    p = eqn.primitive
+    return tags.layer_tag_for(p) is not None or tags.loss_tag_for(p) is not None
+
+
+def contains_tags(jaxpr: Jaxpr) -> bool:
+    """Whether any equation of ``jaxpr`` or of its sub-jaxprs is a tag."""
+    return any(is_tag_eqn(e) or any(map(contains_tags, sub_jaxprs(e))) for e in jaxpr.eqns)
+
+
+def sub_jaxprs(eqn: JaxprEqn) -> Iterator[Jaxpr]:
+    """The (open) jaxprs found in an equation's params."""
+    for sub in jex.core.jaxprs_in_params(eqn.params):
+        yield getattr(sub, "jaxpr", sub)
+
+
+def call_body(eqn: JaxprEqn) -> tuple[Jaxpr, Sequence[Any]] | None:
+    """``(jaxpr, consts)`` of a call-like equation's body, or None for other primitives."""
+    key = _CALL_BODY_PARAMS.get(eqn.primitive.name)
+    if key is None or key not in eqn.params:
+        return None
+    body = eqn.params[key]
+    if isinstance(body, jex.core.ClosedJaxpr):
+        return body.jaxpr, body.consts
+    return body, ()
+
+
+def bind_eqn(eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
+    """Evaluates one equation on concrete or traced values."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    subfuns, params = params if isinstance(params, tuple) else ((), params)
+    with eqn.ctx.manager:
+        out = eqn.primitive.bind(*subfuns, *invals, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def eval_jaxpr(
+    jaxpr: Jaxpr,
+    consts: Sequence[Any],
+    args: Sequence[Any],
+    on_tag: Callable[[JaxprEqn, list[Any]], list[Any]],
+) -> list[Any]:
+    """Evaluates ``jaxpr``, handing every tag equation to ``on_tag``.
+
+    Call-like equations whose bodies contain tags are evaluated in place, so
+    ``on_tag`` sees the tags inside `jax.jit`, `jax.checkpoint` and custom
+    derivative functions too. Tags inside other higher-order primitives
+    (`lax.scan`, `lax.cond`, ...) raise a ValueError.
+    """
+    env: dict[Any, Any] = {}
+
+    def read(v):
+        return v.val if isinstance(v, jex.core.Literal) else env[v]
+
+    def write(vs, vals):
+        for v, val in zip(vs, vals, strict=True):
+            env[v] = val
+
+    write(jaxpr.constvars, consts)
+    write(jaxpr.invars, args)
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        if is_tag_eqn(eqn):
+            outvals = on_tag(eqn, invals)
+        elif any(map(contains_tags, sub_jaxprs(eqn))):
+            body = call_body(eqn)
+            if body is None:
+                raise unsupported_container(eqn)
+            outvals = eval_jaxpr(body[0], body[1], invals, on_tag)
+        else:
+            outvals = bind_eqn(eqn, invals)
+        write(eqn.outvars, outvals)
+    return [read(v) for v in jaxpr.outvars]
+
+
+def unsupported_container(eqn: JaxprEqn) -> ValueError:
+    """The error for tags inside a primitive the tracer cannot look into."""
+    return ValueError(
+        f"A layer or loss tag sits inside a `{eqn.primitive.name}` primitive; kfacx reads tags "
+        "inside jit, checkpoint and custom_jvp/custom_vjp functions, but not yet inside "
+        f"`{eqn.primitive.name}`. Move the registration out of it (e.g. unroll the loop)."
+    )
+
+
+def walk_tags(jaxpr: Jaxpr, origins: Sequence[Any]) -> Iterator[tuple[JaxprEqn, list[Any]]]:
+    """Yields every tag equation with the *origin* of each of its operands.
+
+    ``origins`` labels the jaxpr's inputs (e.g. the index of a parameter leaf);
+    labels flow into the bodies of call-like equations and are None for any
+    value computed inside the function, in the order `eval_jaxpr` visits tags.
+    """
+    env: dict[Any, Any] = dict(zip(jaxpr.invars, origins, strict=True))
+    for eqn in jaxpr.eqns:
+        ins = [None if isinstance(v, jex.core.Literal) else env.get(v) for v in eqn.invars]
+        if is_tag_eqn(eqn):
+            yield eqn, ins
+        elif any(map(contains_tags, sub_jaxprs(eqn))):
+            body = call_body(eqn)
+            if body is None:
+                raise unsupported_container(eqn)
+            yield from walk_tags(body[0], ins)

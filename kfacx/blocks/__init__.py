@@ -1,0 +1,50 @@
+"""Curvature blocks: one block of the block-diagonal curvature matrix per layer.
+
+All blocks are pure: ``init`` / ``update_curvature_matrix_estimate`` /
+``update_cache`` return a new `BlockState`; ``multiply_matpower`` returns a new
+vector. Abstract bases: `CurvatureBlock` and `TwoKroneckerFactored`.
+"""
+
+from kfacx.blocks._base import (
+    BlockState,
+    CurvatureBlock,
+    LayerInfo,
+    WeightedMovingAverage,
+    flatten_params,
+    unflatten_params,
+)
+from kfacx.blocks._diagonal_full import (
+    Diagonal,
+    Full,
+    FullEigen,
+    ScaleAndShiftDiagonal,
+    ScaleAndShiftFull,
+)
+from kfacx.blocks._kronecker import (
+    ConvTwoKroneckerFactored,
+    DenseTwoKroneckerFactored,
+    KroneckerCache,
+    KroneckerEigen,
+    KroneckerPair,
+    TwoKroneckerFactored,
+)
+
+__all__ = [
+    "BlockState",
+    "ConvTwoKroneckerFactored",
+    "CurvatureBlock",
+    "DenseTwoKroneckerFactored",
+    "Diagonal",
+    "Full",
+    "FullEigen",
+    "KroneckerCache",
+    "KroneckerEigen",
+    "KroneckerPair",
+    "LayerInfo",
+    "ScaleAndShiftDiagonal",
+    "ScaleAndShiftFull",
+    "TwoKroneckerFactored",
+    "WeightedMovingAverage",
+    "flatten_params",
+    "unflatten_params",
+]

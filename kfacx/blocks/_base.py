@@ -1,0 +1,308 @@
+"""The abstract curvature block, its state, and the layer description it is built from."""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Params = tuple[jax.Array, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerInfo:
+    """Static description of one tagged layer, everything a block is built from.
+
+    Attributes:
+      tag_name: the layer tag's name (e.g. ``"dense_tag"``).
+      parameter_paths: pytree paths of the layer's parameters (for messages).
+      parameter_shapes: shapes of the parameters, in the tag's order.
+      parameter_dtypes: dtypes of the parameters.
+      input_shapes: shapes of the layer inputs (leading axis: batch).
+      output_shapes: shapes of the layer outputs (leading axis: batch).
+      meta: the tag's static metadata (e.g. conv strides).
+      compute: ``compute(inputs, params, **meta) -> outputs`` or None.
+    """
+
+    tag_name: str
+    parameter_paths: tuple[str, ...]
+    parameter_shapes: tuple[tuple[int, ...], ...]
+    parameter_dtypes: tuple[Any, ...]
+    input_shapes: tuple[tuple[int, ...], ...] = ()
+    output_shapes: tuple[tuple[int, ...], ...] = ()
+    meta: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    compute: Callable[..., tuple] | None = None
+
+    @property
+    def name(self) -> str:
+        """A readable name: the tag and the parameter paths."""
+        return f"{self.tag_name}[{', '.join(self.parameter_paths)}]"
+
+    @classmethod
+    def from_params(cls, tag_name: str, params: Sequence[Any], **kwargs: Any) -> LayerInfo:
+        """Builds a `LayerInfo` from example parameters (paths default to p0, p1, ...)."""
+        paths = kwargs.pop("parameter_paths", tuple(f"p{i}" for i in range(len(params))))
+        return cls(
+            tag_name=tag_name,
+            parameter_paths=tuple(paths),
+            parameter_shapes=tuple(tuple(p.shape) for p in params),
+            parameter_dtypes=tuple(p.dtype for p in params),
+            **kwargs,
+        )
+
+
+class WeightedMovingAverage(NamedTuple):
+    """An exponential moving average with bias correction.
+
+    ``raw_value = ema_old * raw_value + ema_new * statistic`` and
+    ``weight = ema_old * weight + ema_new``; the average is ``raw_value / weight``
+    (zero before the first update).
+    """
+
+    weight: jax.Array
+    raw_value: jax.Array
+
+    @classmethod
+    def zeros(cls, shape: Sequence[int], dtype: Any) -> WeightedMovingAverage:
+        """A moving average with no data yet."""
+        return cls(jnp.zeros((), dtype), jnp.zeros(shape, dtype))
+
+    @property
+    def value(self) -> jax.Array:
+        """The bias-corrected average."""
+        safe = jnp.where(self.weight > 0, self.weight, 1.0)
+        return jnp.where(self.weight > 0, self.raw_value / safe, 0.0).astype(self.raw_value.dtype)
+
+    def update(self, statistic: jax.Array, ema_old: Any, ema_new: Any) -> WeightedMovingAverage:
+        """Folds ``statistic`` in; returns the new average."""
+        dtype = self.raw_value.dtype
+        old, new = jnp.asarray(ema_old, dtype), jnp.asarray(ema_new, dtype)
+        return WeightedMovingAverage(
+            old * self.weight + new, old * self.raw_value + new * statistic.astype(dtype)
+        )
+
+
+class BlockState(NamedTuple):
+    """State of a curvature block: moving-average factors and a typed cache."""
+
+    factors: tuple[WeightedMovingAverage, ...]
+    cache: Any
+
+
+def factor_dtype(dtypes: Sequence[Any]) -> Any:
+    """Statistics are kept in float32 or wider, whatever the parameters' dtype."""
+    return jnp.promote_types(jnp.result_type(*dtypes), jnp.float32)
+
+
+class CurvatureBlock(abc.ABC):
+    """Abstract curvature block: one diagonal block of the curvature matrix.
+
+    A block is a stateless description; all methods are pure and take and
+    return a `BlockState` pytree. Subclasses implement `factor_shapes`,
+    `compute_statistics`, `init_cache`, `update_cache`, `_multiply`,
+    `_multiply_matpower` and `to_dense_matrix`.
+
+    Vectors are tuples of arrays shaped like the layer's parameters (in the
+    tag's order, e.g. ``(w, b)``).
+
+    Args:
+      layer: the `LayerInfo` of the tagged layer.
+    """
+
+    def __init__(self, layer: LayerInfo):
+        self.layer = layer
+        self.dtype = factor_dtype(layer.parameter_dtypes)
+
+    # ---------------------------------------------------------------- metadata
+
+    @property
+    def parameters_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Shapes of the parameters this block covers."""
+        return self.layer.parameter_shapes
+
+    @property
+    def dim(self) -> int:
+        """Total number of parameters covered by the block."""
+        return sum(math.prod(s) for s in self.parameters_shapes)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.layer.name})"
+
+    # ---------------------------------------------------------------- abstract
+
+    @abc.abstractmethod
+    def factor_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Shapes of the moving-average factors."""
+
+    @abc.abstractmethod
+    def compute_statistics(
+        self, estimation_data: Mapping[str, Sequence[jax.Array]], batch_size: int
+    ) -> tuple[jax.Array, ...]:
+        """This batch's statistics, one per factor.
+
+        ``estimation_data`` has ``"inputs"``, ``"outputs"`` and ``"params"`` of
+        the layer and ``"outputs_tangent"``: for every output an array of shape
+        ``[num_samples, *output_shape]`` of cotangents whose second moments are
+        *summed* over samples (the estimator scales them for averaging).
+        Statistics are normalised by ``batch_size``.
+        """
+
+    @abc.abstractmethod
+    def init_cache(
+        self, exact_powers_to_cache: Sequence[float], approx_powers_to_cache: Sequence[float],
+        cache_eigenvalues: bool,
+    ) -> Any:
+        """An empty cache with the requested (static) structure."""
+
+    @abc.abstractmethod
+    def update_cache(self, state: BlockState, identity_weight: Any) -> BlockState:
+        """Recomputes the cached quantities present in ``state.cache``."""
+
+    @abc.abstractmethod
+    def _multiply(self, state: BlockState, vector: Params, identity_weight: Any) -> Params:
+        """``(C + identity_weight I) v``."""
+
+    @abc.abstractmethod
+    def _multiply_matpower(
+        self, state: BlockState, vector: Params, identity_weight: Any, power: float,
+        exact_power: bool, use_cached: bool,
+    ) -> Params:
+        """``(C + identity_weight I)^power v`` for ``power != 1``."""
+
+    @abc.abstractmethod
+    def to_dense_matrix(self, state: BlockState) -> jax.Array:
+        """The block as an explicit ``[dim, dim]`` matrix over the flattened parameters
+        (concatenated in the tag's order, each flattened row-major)."""
+
+    # ---------------------------------------------------------------- template
+
+    def init(
+        self,
+        rng: jax.Array,
+        exact_powers_to_cache: Sequence[float] = (),
+        approx_powers_to_cache: Sequence[float] = (),
+        cache_eigenvalues: bool = False,
+    ) -> BlockState:
+        """A fresh state with zero factors and the requested cache structure.
+
+        Args:
+          rng: unused by the built-in blocks (kept for blocks with random state).
+          exact_powers_to_cache: powers that `multiply_matpower` will use with
+            ``exact_power=True, use_cached=True``.
+          approx_powers_to_cache: powers used with ``exact_power=False, use_cached=True``.
+          cache_eigenvalues: whether to keep an eigendecomposition in the cache.
+        """
+        del rng
+        factors = tuple(WeightedMovingAverage.zeros(s, self.dtype) for s in self.factor_shapes())
+        cache = self.init_cache(
+            tuple(exact_powers_to_cache or ()), tuple(approx_powers_to_cache or ()),
+            cache_eigenvalues,
+        )
+        return BlockState(factors, cache)
+
+    def update_curvature_matrix_estimate(
+        self,
+        state: BlockState,
+        estimation_data: Mapping[str, Sequence[jax.Array]],
+        ema_old: Any,
+        ema_new: Any,
+        batch_size: int,
+        pmap_axis_name: str | None = None,
+    ) -> BlockState:
+        """Folds this batch's statistics into the moving averages.
+
+        Statistics are averaged over ``pmap_axis_name`` when it is given.
+        """
+        stats = self.compute_statistics(estimation_data, batch_size)
+        if pmap_axis_name is not None:
+            stats = jax.lax.pmean(stats, pmap_axis_name)
+        factors = tuple(
+            f.update(s, ema_old, ema_new) for f, s in zip(state.factors, stats, strict=True)
+        )
+        return state._replace(factors=factors)
+
+    def multiply_matpower(
+        self,
+        state: BlockState,
+        vector: Sequence[jax.Array],
+        identity_weight: Any,
+        power: float,
+        exact_power: bool = False,
+        use_cached: bool = False,
+    ) -> Params:
+        """``(C + identity_weight I)^power v``.
+
+        Args:
+          state: the block state.
+          vector: a tuple of arrays shaped like the block's parameters.
+          identity_weight: damping added to the block before the power.
+          power: 1 (exact, no cache needed), -1, -0.5, or any power with
+            ``exact_power=True``.
+          exact_power: use the exact power of the damped block; otherwise
+            blocks may use a cheaper approximation (factored damping for
+            Kronecker-factored blocks).
+          use_cached: use the quantities computed by the last `update_cache`.
+
+        Returns:
+          A tuple of arrays shaped like the parameters.
+
+        Raises:
+          ValueError: if the vector does not match the parameters, or the
+            power is not supported / not cached.
+        """
+        vector = self._check_vector(vector)
+        if power == 1:
+            return self._multiply(state, vector, identity_weight)
+        return self._multiply_matpower(
+            state, vector, identity_weight, float(power), exact_power, use_cached
+        )
+
+    def multiply(self, state: BlockState, vector: Sequence[jax.Array], identity_weight: Any = 0.0):
+        """``(C + identity_weight I) v``."""
+        return self.multiply_matpower(state, vector, identity_weight, 1)
+
+    def multiply_inverse(
+        self, state, vector, identity_weight, exact_power=False, use_cached=False
+    ) -> Params:
+        """``(C + identity_weight I)^-1 v``."""
+        return self.multiply_matpower(state, vector, identity_weight, -1, exact_power, use_cached)
+
+    def _check_vector(self, vector: Sequence[jax.Array]) -> Params:
+        vector = tuple(vector)
+        shapes = tuple(tuple(v.shape) for v in vector)
+        if shapes != self.parameters_shapes:
+            raise ValueError(
+                f"{self!r}: vector has shapes {shapes}, expected the parameter shapes "
+                f"{self.parameters_shapes}."
+            )
+        return vector
+
+    def _unsupported_power(self, power: float, how: str) -> ValueError:
+        return ValueError(
+            f"{self!r}: power {power} is not supported {how}. Use power 1, -1 or -0.5, or "
+            "exact_power=True for other powers."
+        )
+
+    def _missing_cache(self, what: str, init_arg: str) -> ValueError:
+        return ValueError(
+            f"{self!r}: use_cached=True needs {what} in the cache; create the state with "
+            f"init(..., {init_arg}) and call update_cache first."
+        )
+
+
+def flatten_params(vector: Sequence[jax.Array]) -> jax.Array:
+    """Concatenates arrays flattened row-major (the order of `to_dense_matrix`)."""
+    return jnp.concatenate([jnp.ravel(v) for v in vector])
+
+
+def unflatten_params(flat: jax.Array, shapes: Sequence[Sequence[int]]) -> Params:
+    """Inverse of `flatten_params`."""
+    sizes = [math.prod(s) for s in shapes]
+    splits = np.cumsum(sizes)[:-1].tolist()
+    return tuple(p.reshape(s) for p, s in zip(jnp.split(flat, splits), shapes, strict=True))

@@ -1,0 +1,352 @@
+"""Kronecker-factored blocks: ``C = A (x) G`` per group, for dense and conv layers.
+
+Parameters are laid out as a stack of matrices ``V[g]`` of shape ``[n, m]``
+(``n`` inputs, bias row last; ``m`` outputs; ``g`` a feature group, one for
+dense layers). The block acts as ``V[g] -> A[g] V[g] G[g]``, i.e. as
+``block_diag_g(A[g] (x) G[g])`` on the row-major flattening of ``V``.
+
+Statistics ("expand" K-FAC for shared positions):
+``A = sum over rows of x x^T / (number of rows)`` where a row is one example
+at one position (sequence step or output pixel), and
+``G = sum over rows of dy dy^T / batch_size``.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kfacx import linalg
+from kfacx.blocks._base import BlockState, CurvatureBlock, LayerInfo, Params
+
+
+class KroneckerEigen(NamedTuple):
+    """Eigendecompositions of both factors (eigenvalues clipped at zero)."""
+
+    inputs_eigenvalues: jax.Array
+    inputs_eigenvectors: jax.Array
+    outputs_eigenvalues: jax.Array
+    outputs_eigenvectors: jax.Array
+
+
+class KroneckerPair(NamedTuple):
+    """A damped power of each factor, ``(A + d_a I)^p`` and ``(G + d_g I)^p``."""
+
+    inputs: jax.Array
+    outputs: jax.Array
+
+
+class KroneckerCache(NamedTuple):
+    """What `TwoKroneckerFactored.update_cache` keeps; absent entries are None."""
+
+    eigen: KroneckerEigen | None
+    inverse: KroneckerPair | None
+    inverse_sqrt: KroneckerPair | None
+
+
+_APPROX_FIELDS = {-1.0: "inverse", -0.5: "inverse_sqrt"}
+
+
+class TwoKroneckerFactored(CurvatureBlock):
+    """Abstract base of two-factor blocks ``A (x) G`` (with feature groups).
+
+    Subclasses give the factor sizes, the parameter <-> matrix layout and the
+    factor statistics. Exact powers use the eigendecompositions of both
+    factors, ``(A (x) G + l I)^p = (U_A (x) U_G) diag((a_i g_j + l)^p) (U_A (x) U_G)^T``;
+    approximate powers use factored ("pi") damping,
+    ``(A + pi sqrt(l) I)^p (x) (G + sqrt(l)/pi I)^p``.
+    """
+
+    @property
+    @abc.abstractmethod
+    def num_groups(self) -> int:
+        """Number of independent feature groups (1 for dense layers)."""
+
+    @property
+    @abc.abstractmethod
+    def input_size(self) -> int:
+        """Size ``n`` of the input factor of one group (bias included)."""
+
+    @property
+    @abc.abstractmethod
+    def output_size(self) -> int:
+        """Size ``m`` of the output factor of one group."""
+
+    @abc.abstractmethod
+    def params_to_matrix(self, params: Sequence[jax.Array]) -> jax.Array:
+        """Parameters -> ``[num_groups, input_size, output_size]``."""
+
+    @abc.abstractmethod
+    def matrix_to_params(self, matrix: jax.Array) -> Params:
+        """Inverse of `params_to_matrix`."""
+
+    def factor_shapes(self):
+        g, n, m = self.num_groups, self.input_size, self.output_size
+        return ((g, n, n), (g, m, m))
+
+    # ---------------------------------------------------------------- cache
+
+    def init_cache(self, exact_powers_to_cache, approx_powers_to_cache, cache_eigenvalues):
+        for p in approx_powers_to_cache:
+            if float(p) not in _APPROX_FIELDS:
+                raise self._unsupported_power(p, "in approx_powers_to_cache")
+        (g, n, _), (_, m, _) = self.factor_shapes()
+
+        def zeros(*shape):
+            return jnp.zeros(shape, self.dtype)
+
+        eigen = None
+        if exact_powers_to_cache or cache_eigenvalues:
+            eigen = KroneckerEigen(zeros(g, n), zeros(g, n, n), zeros(g, m), zeros(g, m, m))
+        pairs = {
+            field: KroneckerPair(zeros(g, n, n), zeros(g, m, m))
+            if power in map(float, approx_powers_to_cache) else None
+            for power, field in _APPROX_FIELDS.items()
+        }
+        return KroneckerCache(eigen=eigen, **pairs)
+
+    def update_cache(self, state: BlockState, identity_weight: Any) -> BlockState:
+        a, g = (f.value for f in state.factors)
+        cache: KroneckerCache = state.cache
+        if cache.eigen is not None:
+            cache = cache._replace(eigen=KroneckerEigen(*linalg.safe_eigh(a), *linalg.safe_eigh(g)))
+        if cache.inverse is not None:
+            cache = cache._replace(inverse=self._approx_factors(a, g, identity_weight, -1.0))
+        if cache.inverse_sqrt is not None:
+            cache = cache._replace(inverse_sqrt=self._approx_factors(a, g, identity_weight, -0.5))
+        return state._replace(cache=cache)
+
+    @staticmethod
+    def _approx_factors(a, g, identity_weight, power) -> KroneckerPair:
+        d_a, d_g = linalg.pi_adjusted_damping(a, g, identity_weight)
+        if power == -1.0:
+            return KroneckerPair(linalg.psd_inverse(a, d_a), linalg.psd_inverse(g, d_g))
+        return KroneckerPair(linalg.psd_matpower(a, power, d_a), linalg.psd_matpower(g, power, d_g))
+
+    # ---------------------------------------------------------------- products
+
+    def _multiply(self, state, vector, identity_weight):
+        a, g = (f.value for f in state.factors)
+        v = self.params_to_matrix(vector).astype(self.dtype)
+        out = a @ v @ g + jnp.asarray(identity_weight, self.dtype) * v
+        return self._to_params(out, vector)
+
+    def _multiply_matpower(self, state, vector, identity_weight, power, exact_power, use_cached):
+        v = self.params_to_matrix(vector).astype(self.dtype)
+        if exact_power:
+            out = self._exact_matpower(self._eigen(state, use_cached), v, identity_weight, power)
+        else:
+            pair = self._approx_pair(state, identity_weight, power, use_cached)
+            out = pair.inputs @ v @ pair.outputs
+        return self._to_params(out, vector)
+
+    def _eigen(self, state: BlockState, use_cached: bool) -> KroneckerEigen:
+        if not use_cached:
+            a, g = (f.value for f in state.factors)
+            return KroneckerEigen(*linalg.safe_eigh(a), *linalg.safe_eigh(g))
+        if state.cache.eigen is None:
+            raise self._missing_cache("an eigendecomposition", "exact_powers_to_cache=(power,)")
+        return state.cache.eigen
+
+    def _approx_pair(self, state, identity_weight, power, use_cached) -> KroneckerPair:
+        field = _APPROX_FIELDS.get(power)
+        if field is None:
+            raise self._unsupported_power(power, "with exact_power=False")
+        if not use_cached:
+            a, g = (f.value for f in state.factors)
+            return self._approx_factors(a, g, identity_weight, power)
+        pair = getattr(state.cache, field)
+        if pair is None:
+            raise self._missing_cache(f"the power {power}", f"approx_powers_to_cache=({power},)")
+        return pair
+
+    @staticmethod
+    def _exact_matpower(eigen: KroneckerEigen, v, identity_weight, power):
+        u_a, u_g = eigen.inputs_eigenvectors, eigen.outputs_eigenvectors
+        rotated = jnp.swapaxes(u_a, -1, -2) @ v @ u_g
+        vals = eigen.inputs_eigenvalues[..., :, None] * eigen.outputs_eigenvalues[..., None, :]
+        scale = jnp.power(vals + jnp.asarray(identity_weight, v.dtype), power)
+        return u_a @ (rotated * scale) @ jnp.swapaxes(u_g, -1, -2)
+
+    def _to_params(self, matrix, like: Params) -> Params:
+        return tuple(p.astype(v.dtype) for p, v in zip(self.matrix_to_params(matrix), like, strict=True))
+
+    # ---------------------------------------------------------------- dense matrix
+
+    def to_dense_matrix(self, state: BlockState) -> jax.Array:
+        a, g = (f.value for f in state.factors)
+        per_group = jax.vmap(jnp.kron)(a, g)
+        blocks = jax.scipy.linalg.block_diag(*per_group)
+        # Position of every parameter entry in the (group, row, column) layout.
+        index = self._parameter_positions()
+        dense = jnp.zeros((self.dim, self.dim), blocks.dtype)
+        return dense.at[index[:, None], index[None, :]].set(blocks)
+
+    def _parameter_positions(self) -> np.ndarray:
+        sizes = [math.prod(s) for s in self.parameters_shapes]
+        offsets = np.cumsum([0] + sizes[:-1])
+        index_params = [
+            np.arange(o, o + n).reshape(s)
+            for o, n, s in zip(offsets, sizes, self.parameters_shapes, strict=True)
+        ]
+        return np.asarray(self.params_to_matrix(index_params)).reshape(-1)
+
+
+def _with_ones(rows: jax.Array) -> jax.Array:
+    return jnp.concatenate([rows, jnp.ones(rows.shape[:-1] + (1,), rows.dtype)], axis=-1)
+
+
+def _second_moment(rows: jax.Array, normalizer: Any) -> jax.Array:
+    """``sum_r rows[r, g]^T rows[r, g] / normalizer`` for rows ``[R, G, n]``."""
+    return jnp.einsum("rgi,rgj->gij", rows, rows) / normalizer
+
+
+class DenseTwoKroneckerFactored(TwoKroneckerFactored):
+    """K-FAC block of a dense layer ``y = x @ w + b`` (any leading batch axes).
+
+    Raises:
+      ValueError: if the layer's parameters are not ``(w[d_in, d_out], [b[d_out]])``.
+    """
+
+    def __init__(self, layer: LayerInfo):
+        super().__init__(layer)
+        shapes = layer.parameter_shapes
+        ok = len(shapes) in (1, 2) and len(shapes[0]) == 2
+        if ok and len(shapes) == 2:
+            ok = shapes[1] == (shapes[0][1],)
+        if not ok:
+            raise ValueError(
+                f"DenseTwoKroneckerFactored({layer.name}): expected parameters (w[d_in, d_out]) or "
+                f"(w, b[d_out]), got shapes {shapes}."
+            )
+        self.has_bias = len(shapes) == 2
+
+    @property
+    def num_groups(self):
+        return 1
+
+    @property
+    def input_size(self):
+        return self.parameters_shapes[0][0] + int(self.has_bias)
+
+    @property
+    def output_size(self):
+        return self.parameters_shapes[0][1]
+
+    def params_to_matrix(self, params):
+        w, *b = params
+        m = jnp.concatenate([w, b[0][None]], axis=0) if b else jnp.asarray(w)
+        return m[None]
+
+    def matrix_to_params(self, matrix):
+        m = matrix[0]
+        return (m[:-1], m[-1]) if self.has_bias else (m,)
+
+    def compute_statistics(self, estimation_data: Mapping[str, Sequence[jax.Array]], batch_size):
+        (x,) = estimation_data["inputs"]
+        (dy,) = estimation_data["outputs_tangent"]
+        x = x.reshape(-1, 1, x.shape[-1]).astype(self.dtype)
+        if self.has_bias:
+            x = _with_ones(x)
+        dy = dy.reshape(-1, 1, dy.shape[-1]).astype(self.dtype)
+        return _second_moment(x, x.shape[0]), _second_moment(dy, batch_size)
+
+
+class ConvTwoKroneckerFactored(TwoKroneckerFactored):
+    """K-FAC block (KFC) of a convolution with any number of spatial dimensions.
+
+    The input factor is the second moment of the input patches that the
+    convolution really sees (strides, padding, input and kernel dilation), one
+    per feature group; the output factor the second moment of the output
+    cotangents over output positions.
+
+    Raises:
+      ValueError: if the layer's metadata does not describe a convolution.
+    """
+
+    def __init__(self, layer: LayerInfo):
+        super().__init__(layer)
+        meta = layer.meta
+        missing = {"window_strides", "padding", "dimension_numbers"} - set(meta)
+        if missing:
+            raise ValueError(
+                f"ConvTwoKroneckerFactored({layer.name}): the tag has no {sorted(missing)} "
+                "metadata; register the layer with kfacx.register_conv."
+            )
+        self.dnums = meta["dimension_numbers"]
+        w_shape = layer.parameter_shapes[0]
+        self.groups = int(meta.get("feature_group_count", 1))
+        self.kernel_spatial = tuple(w_shape[d] for d in self.dnums.rhs_spec[2:])
+        self.in_per_group = w_shape[self.dnums.rhs_spec[1]]
+        out = w_shape[self.dnums.rhs_spec[0]]
+        if out % self.groups:
+            raise ValueError(
+                f"ConvTwoKroneckerFactored({layer.name}): {out} output features are not divisible "
+                f"by feature_group_count={self.groups}."
+            )
+        self.out_per_group = out // self.groups
+        self.has_bias = len(layer.parameter_shapes) == 2
+
+    @property
+    def num_groups(self):
+        return self.groups
+
+    @property
+    def input_size(self):
+        return self.in_per_group * math.prod(self.kernel_spatial) + int(self.has_bias)
+
+    @property
+    def output_size(self):
+        return self.out_per_group
+
+    def params_to_matrix(self, params):
+        w, *b = params
+        o, i, *spatial = self.dnums.rhs_spec
+        # [in, *spatial, out]: in-channel major, matching the patch feature order.
+        w = jnp.transpose(w, (i, *spatial, o)).reshape(-1, self.groups, self.out_per_group)
+        m = jnp.transpose(w, (1, 0, 2))
+        if b:
+            m = jnp.concatenate([m, b[0].reshape(self.groups, 1, self.out_per_group)], axis=1)
+        return m
+
+    def matrix_to_params(self, matrix):
+        o, i, *spatial = self.dnums.rhs_spec
+        if self.has_bias:
+            matrix, b = matrix[:, :-1], matrix[:, -1]
+        w = jnp.transpose(matrix, (1, 0, 2))
+        w = w.reshape((self.in_per_group, *self.kernel_spatial, self.groups * self.out_per_group))
+        w = jnp.transpose(w, np.argsort((i, *spatial, o)))
+        return (w, b.reshape(-1)) if self.has_bias else (w,)
+
+    def patches(self, x: jax.Array) -> jax.Array:
+        """Input patches as rows ``[batch * positions, groups, in_per_group * kernel_size]``."""
+        meta = self.layer.meta
+        p = jax.lax.conv_general_dilated_patches(
+            x,
+            self.kernel_spatial,
+            meta["window_strides"],
+            meta["padding"],
+            lhs_dilation=meta.get("lhs_dilation"),
+            rhs_dilation=meta.get("rhs_dilation"),
+            dimension_numbers=self.dnums,
+            precision=jax.lax.Precision.HIGHEST,
+        )
+        p = jnp.moveaxis(p, self.dnums.out_spec[1], -1)
+        return p.reshape(-1, self.groups, p.shape[-1] // self.groups)
+
+    def compute_statistics(self, estimation_data, batch_size):
+        (x,) = estimation_data["inputs"]
+        (dy,) = estimation_data["outputs_tangent"]
+        rows = self.patches(x.astype(self.dtype))
+        if self.has_bias:
+            rows = _with_ones(rows)
+        # dy: [samples, *output_shape]; the feature axis shifts by one.
+        dy = jnp.moveaxis(dy.astype(self.dtype), self.dnums.out_spec[1] + 1, -1)
+        dy = dy.reshape(-1, self.groups, self.out_per_group)
+        return _second_moment(rows, rows.shape[0]), _second_moment(dy, batch_size)

@@ -1,0 +1,345 @@
+"""The block-diagonal curvature estimator: one curvature block per layer tag."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kfacx import blocks as blocks_lib
+from kfacx import tracer
+from kfacx.losses import LossFunction
+
+#: Estimation modes understood by `BlockDiagonalCurvature`.
+ESTIMATION_MODES = (
+    "fisher_gradients",
+    "fisher_empirical",
+    "fisher_curvature_prop",
+    "ggn_curvature_prop",
+    "fisher_exact",
+    "ggn_exact",
+)
+
+#: The block class used for each built-in layer tag.
+DEFAULT_LAYER_TAG_TO_BLOCK_CTOR: Mapping[str, Callable[[blocks_lib.LayerInfo], Any]] = {
+    "dense_tag": blocks_lib.DenseTwoKroneckerFactored,
+    "conv_tag": blocks_lib.ConvTwoKroneckerFactored,
+    "scale_and_shift_tag": blocks_lib.ScaleAndShiftDiagonal,
+    "generic_tag": blocks_lib.Diagonal,
+}
+
+
+class EstimatorState(NamedTuple):
+    """State of `BlockDiagonalCurvature`: one `kfacx.blocks.BlockState` per block."""
+
+    blocks: tuple[blocks_lib.BlockState, ...]
+
+
+def _check_mode(mode: str) -> str:
+    if mode not in ESTIMATION_MODES:
+        raise ValueError(f"Unknown estimation_mode={mode!r}; choose one of {ESTIMATION_MODES}.")
+    return mode
+
+
+def _check_damping(value: Any, what: str, allow_zero: bool) -> None:
+    """Rejects a concrete non-finite or non-positive damping (traced values pass)."""
+    if isinstance(value, jax.core.Tracer):
+        return
+    arr = np.asarray(value)
+    if arr.size != 1:
+        raise ValueError(f"{what}: identity_weight must be a scalar, got shape {arr.shape}.")
+    v = float(arr)
+    if not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero):
+        raise ValueError(
+            f"{what}: identity_weight (damping) must be finite and positive for inverse powers, "
+            f"got {v}. Use a damping such as 1e-3."
+        )
+
+
+class BlockDiagonalCurvature:
+    """Block-diagonal approximation of the Fisher / Gauss-Newton matrix of a tagged loss.
+
+    The estimator traces ``func`` (on the first call that gets ``func_args``),
+    builds one curvature block per layer tag, and from then on estimates each
+    block from the layer statistics that `kfacx.layer_tags_vjp` returns.
+
+    Args:
+      func: the loss function, with registered losses and layer tags.
+      params_index: the position of the parameters among ``func``'s arguments.
+      layer_tag_to_block_ctor: maps tag names to block classes (or factories
+        taking a `kfacx.blocks.LayerInfo`); overrides
+        `DEFAULT_LAYER_TAG_TO_BLOCK_CTOR` for the given names.
+      default_estimation_mode: one of `ESTIMATION_MODES`.
+      num_samples: number of sampled cotangents per example in the sampling
+        modes (their second moments are averaged).
+      exact_powers_to_cache, approx_powers_to_cache, cache_eigenvalues: what
+        `update_cache` keeps (see `kfacx.blocks.CurvatureBlock.init`).
+
+    Raises:
+      ValueError: on an unknown estimation mode or a bad ``num_samples``.
+      TypeError: if a block constructor is not callable.
+
+    Example::
+
+      estimator = kfacx.BlockDiagonalCurvature(loss_fn)
+      state = estimator.init(rng, (params, batch))
+      state = estimator.update_curvature_matrix_estimate(
+          state, 0.95, 0.05, batch_size, rng, (params, batch))
+      state = estimator.update_cache(state, identity_weight=1e-3)
+      step = estimator.multiply_inverse(state, grads, 1e-3, use_cached=True)
+    """
+
+    def __init__(
+        self,
+        func: Callable[..., Any],
+        params_index: int = 0,
+        layer_tag_to_block_ctor: Mapping[str, Callable[..., Any]] | None = None,
+        default_estimation_mode: str = "fisher_gradients",
+        num_samples: int = 1,
+        exact_powers_to_cache: Sequence[float] = (),
+        approx_powers_to_cache: Sequence[float] = (-1,),
+        cache_eigenvalues: bool = False,
+    ):
+        if not callable(func):
+            raise TypeError(f"BlockDiagonalCurvature: func must be callable, got {func!r}.")
+        if not isinstance(num_samples, int) or num_samples < 1:
+            raise ValueError(f"BlockDiagonalCurvature: num_samples must be an int >= 1, got {num_samples!r}.")
+        ctors = dict(DEFAULT_LAYER_TAG_TO_BLOCK_CTOR)
+        for name, ctor in (layer_tag_to_block_ctor or {}).items():
+            if not callable(ctor):
+                raise TypeError(
+                    f"layer_tag_to_block_ctor[{name!r}] must be a block class or factory, got {ctor!r}."
+                )
+            ctors[name] = ctor
+        self.func = func
+        self.params_index = params_index
+        self.layer_tag_to_block_ctor = ctors
+        self.default_estimation_mode = _check_mode(default_estimation_mode)
+        self.num_samples = num_samples
+        self._cache_spec = (tuple(exact_powers_to_cache), tuple(approx_powers_to_cache), cache_eigenvalues)
+        self._traced: tracer.TracedFunction | None = None
+        self._blocks: tuple[blocks_lib.CurvatureBlock, ...] = ()
+
+    # ---------------------------------------------------------------- set-up
+
+    def _set_up(self, func_args: Sequence[Any]) -> tracer.TracedFunction:
+        traced = tracer.trace_cached(self.func, func_args, self.params_index)
+        if traced is self._traced:
+            return traced
+        covered = {leaf for leaves in traced.layer_param_leaves for leaf in leaves}
+        missing = [p for i, p in enumerate(traced.param_paths) if i not in covered]
+        if missing:
+            raise ValueError(
+                f"Parameters {missing} are used by no layer tag. Register their layers (e.g. "
+                "kfacx.register_dense(y, x, w, b)) or tag them with kfacx.register_generic(p)."
+            )
+        self._blocks = tuple(self._make_block(layer) for layer in traced.layers)
+        self._traced = traced
+        return traced
+
+    def _make_block(self, layer: blocks_lib.LayerInfo) -> blocks_lib.CurvatureBlock:
+        ctor = self.layer_tag_to_block_ctor.get(layer.tag_name)
+        if ctor is None:
+            raise ValueError(
+                f"No curvature block for layer tag {layer.tag_name!r} ({layer.name}); pass "
+                f"layer_tag_to_block_ctor={{{layer.tag_name!r}: SomeBlockClass}}."
+            )
+        return ctor(layer)
+
+    @property
+    def blocks(self) -> tuple[blocks_lib.CurvatureBlock, ...]:
+        """The curvature blocks, one per layer tag (after `init`)."""
+        self._require_set_up()
+        return self._blocks
+
+    def _require_set_up(self) -> tracer.TracedFunction:
+        if self._traced is None:
+            raise ValueError("BlockDiagonalCurvature: call init(rng, func_args) first.")
+        return self._traced
+
+    # ---------------------------------------------------------------- vectors
+
+    def params_to_blocks(self, params: Any) -> tuple[tuple[jax.Array, ...], ...]:
+        """Splits a parameter pytree into one tuple of arrays per block.
+
+        Raises:
+          ValueError: if the pytree does not have the parameters' structure.
+        """
+        traced = self._require_set_up()
+        leaves, tree = jax.tree_util.tree_flatten(params)
+        if tree != traced.params_tree:
+            raise ValueError(
+                f"The vector's pytree structure {tree} does not match the parameters' "
+                f"{traced.params_tree}."
+            )
+        return tuple(tuple(leaves[i] for i in ids) for ids in traced.layer_param_leaves)
+
+    def blocks_to_params(self, vectors: Sequence[Sequence[jax.Array]]) -> Any:
+        """Inverse of `params_to_blocks`."""
+        traced = self._require_set_up()
+        leaves: list[Any] = [None] * traced.num_param_leaves
+        for ids, vec in zip(traced.layer_param_leaves, vectors, strict=True):
+            for i, v in zip(ids, vec, strict=True):
+                leaves[i] = v
+        return jax.tree_util.tree_unflatten(traced.params_tree, leaves)
+
+    # ---------------------------------------------------------------- state
+
+    def init(self, rng: jax.Array, func_args: Sequence[Any]) -> EstimatorState:
+        """Traces ``func`` on ``func_args``, builds the blocks and their initial state.
+
+        Raises:
+          ValueError: if no loss is registered, or a parameter has no layer tag.
+        """
+        self._set_up(func_args)
+        rngs = jax.random.split(rng, max(len(self._blocks), 1))
+        return EstimatorState(
+            tuple(b.init(r, *self._cache_spec) for b, r in zip(self._blocks, rngs, strict=False))
+        )
+
+    def update_curvature_matrix_estimate(
+        self,
+        state: EstimatorState,
+        ema_old: Any,
+        ema_new: Any,
+        batch_size: int | None,
+        rng: jax.Array,
+        func_args: Sequence[Any],
+        estimation_mode: str | None = None,
+        pmap_axis_name: str | None = None,
+    ) -> EstimatorState:
+        """Folds the statistics of ``func_args``'s batch into every block.
+
+        Args:
+          state: the estimator state.
+          ema_old, ema_new: moving-average weights (``new = old * ema_old + stat * ema_new``).
+          batch_size: the normaliser of the statistics; None takes the leading
+            dimension of the first registered loss's prediction.
+          rng: randomness for the sampling modes.
+          func_args: the arguments of ``func`` (parameters and batch).
+          estimation_mode: one of `ESTIMATION_MODES` (default: the constructor's).
+          pmap_axis_name: average statistics over this device axis.
+
+        Raises:
+          ValueError: on an unknown estimation mode.
+        """
+        mode = _check_mode(estimation_mode or self.default_estimation_mode)
+        self._set_up(func_args)
+        losses, vjp = tracer.layer_tags_vjp(self.func, func_args, self.params_index)
+        if batch_size is None:
+            batch_size = losses[0].batch_size
+        data = vjp.sampled(self._loss_cotangents(losses, mode, rng))
+        new_blocks = tuple(
+            block.update_curvature_matrix_estimate(s, d, ema_old, ema_new, batch_size, pmap_axis_name)
+            for block, s, d in zip(self._blocks, state.blocks, data, strict=True)
+        )
+        return EstimatorState(new_blocks)
+
+    def _loss_cotangents(self, losses: Sequence[LossFunction], mode: str, rng) -> tuple:
+        """Cotangents ``[samples, *prediction_shape]`` per loss, per estimation mode."""
+        if mode == "fisher_empirical":
+            return tuple(loss.per_example_gradient()[None] for loss in losses)
+        if mode in ("fisher_exact", "ggn_exact"):
+            return _exact_cotangents(losses)
+        n = self.num_samples
+        keys = jax.random.split(rng, len(losses))
+
+        def draw(loss: LossFunction, key):
+            sample_keys = jax.random.split(key, n)
+            if mode == "fisher_gradients":
+                cts = jax.vmap(loss.sampled_fisher_cotangent)(sample_keys)
+            else:
+                shape = loss.prediction.shape
+                signs = jax.vmap(
+                    lambda k: jax.random.rademacher(k, shape, dtype=loss.prediction.dtype)
+                )(sample_keys)
+                factor = loss.multiply_fisher_factor if mode.startswith("fisher") else loss.multiply_ggn_factor
+                cts = jax.vmap(factor)(signs)
+            return cts / jnp.sqrt(jnp.asarray(n, cts.dtype))
+
+        return tuple(draw(loss, k) for loss, k in zip(losses, keys, strict=True))
+
+    def update_cache(self, state: EstimatorState, identity_weight: Any) -> EstimatorState:
+        """Refreshes every block's cached inverses / eigendecompositions.
+
+        Raises:
+          ValueError: if ``identity_weight`` is concrete and not positive.
+        """
+        self._require_set_up()
+        _check_damping(identity_weight, "update_cache", allow_zero=False)
+        return EstimatorState(
+            tuple(b.update_cache(s, identity_weight) for b, s in zip(self._blocks, state.blocks, strict=True))
+        )
+
+    # ---------------------------------------------------------------- products
+
+    def multiply_matpower(
+        self,
+        state: EstimatorState,
+        vector: Any,
+        identity_weight: Any,
+        power: float,
+        exact_power: bool = False,
+        use_cached: bool = False,
+    ) -> Any:
+        """``(C + identity_weight I)^power v`` for a parameter-shaped pytree ``v``.
+
+        See `kfacx.blocks.CurvatureBlock.multiply_matpower` for the arguments.
+
+        Raises:
+          ValueError: for a bad vector, damping, or an unsupported / uncached power.
+        """
+        if power != 1:
+            _check_damping(identity_weight, "multiply_matpower", allow_zero=False)
+        vectors = self.params_to_blocks(vector)
+        out = tuple(
+            b.multiply_matpower(s, v, identity_weight, power, exact_power, use_cached)
+            for b, s, v in zip(self._blocks, state.blocks, vectors, strict=True)
+        )
+        return self.blocks_to_params(out)
+
+    def multiply(self, state: EstimatorState, vector: Any, identity_weight: Any = 0.0) -> Any:
+        """``(C + identity_weight I) v`` from the current factors (no cache needed)."""
+        return self.multiply_matpower(state, vector, identity_weight, 1)
+
+    def multiply_inverse(
+        self, state: EstimatorState, vector: Any, identity_weight: Any,
+        exact_power: bool = False, use_cached: bool = False,
+    ) -> Any:
+        """``(C + identity_weight I)^-1 v``."""
+        return self.multiply_matpower(state, vector, identity_weight, -1, exact_power, use_cached)
+
+    def to_dense_matrix(self, state: EstimatorState) -> jax.Array:
+        """The block-diagonal estimate over all parameters, flattened in pytree-leaf order."""
+        traced = self._require_set_up()
+        sizes = [math.prod(s) for s in _leaf_shapes(self)]
+        offsets = np.cumsum([0] + sizes)
+        dense = jnp.zeros((offsets[-1], offsets[-1]), self._blocks[0].dtype if self._blocks else jnp.float32)
+        for block, s, ids in zip(self._blocks, state.blocks, traced.layer_param_leaves, strict=True):
+            index = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in ids])
+            dense = dense.at[index[:, None], index[None, :]].set(block.to_dense_matrix(s))
+        return dense
+
+
+def _leaf_shapes(estimator: BlockDiagonalCurvature) -> list[tuple[int, ...]]:
+    traced = estimator._require_set_up()
+    shapes: list[Any] = [None] * traced.num_param_leaves
+    for block, ids in zip(estimator._blocks, traced.layer_param_leaves, strict=True):
+        for i, s in zip(ids, block.parameters_shapes, strict=True):
+            shapes[i] = s
+    return shapes
+
+
+def _exact_cotangents(losses: Sequence[LossFunction]) -> tuple[jax.Array, ...]:
+    """All factor columns of every loss, each loss's columns zero for the others."""
+    columns = [loss.ggn_factor_columns() for loss in losses]
+    counts = [c.shape[0] for c in columns]
+    out = []
+    for i, c in enumerate(columns):
+        before, after = sum(counts[:i]), sum(counts[i + 1 :])
+        out.append(jnp.pad(c, [(before, after)] + [(0, 0)] * (c.ndim - 1)))
+    return tuple(out)

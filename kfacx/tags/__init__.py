@@ -1,0 +1,56 @@
+"""Tags: JAX primitives that mark layers and losses inside a jaxpr.
+
+`LayerTag` marks a layer (its outputs, inputs, parameters and static metadata);
+`LossTag` marks the prediction of a registered loss. Both are identities: a
+tagged function computes exactly what the untagged one does.
+"""
+
+from kfacx.tags._layer_tags import (
+    LayerTag,
+    conv,
+    conv_meta,
+    dense,
+    generic,
+    layer_tag_for,
+    register_conv,
+    register_conv2d,
+    register_dense,
+    register_generic,
+    register_scale_and_shift,
+    scale_and_shift,
+)
+from kfacx.tags._loss_tags import (
+    LossTag,
+    loss_tag_for,
+    normal_predictive,
+    register_normal_predictive_distribution,
+    register_sigmoid_cross_entropy_loss,
+    register_softmax_cross_entropy_loss,
+    register_squared_error_loss,
+    sigmoid_cross_entropy,
+    softmax_cross_entropy,
+)
+
+__all__ = [
+    "LayerTag",
+    "LossTag",
+    "conv",
+    "conv_meta",
+    "dense",
+    "generic",
+    "layer_tag_for",
+    "loss_tag_for",
+    "normal_predictive",
+    "register_conv",
+    "register_conv2d",
+    "register_dense",
+    "register_generic",
+    "register_normal_predictive_distribution",
+    "register_scale_and_shift",
+    "register_sigmoid_cross_entropy_loss",
+    "register_softmax_cross_entropy_loss",
+    "register_squared_error_loss",
+    "scale_and_shift",
+    "sigmoid_cross_entropy",
+    "softmax_cross_entropy",
+]

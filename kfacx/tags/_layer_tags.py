@@ -1,0 +1,362 @@
+"""Layer tags: `LayerTag` and the built-in dense, conv, scale-and-shift and generic tags."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from kfacx.tags._primitive import _IdentityTag
+
+#: Computes a layer's outputs from its inputs and parameters:
+#: ``compute(inputs: tuple, params: tuple, **meta) -> outputs: tuple``.
+LayerCompute = Callable[..., tuple]
+
+_LAYER_TAGS: dict[Any, LayerTag] = {}
+
+
+class LayerTag(_IdentityTag):
+    """A JAX primitive that marks one layer of a model inside a jaxpr.
+
+    The primitive is bound as ``tag.bind(*outputs, *inputs, *params, **meta)``
+    and returns ``outputs`` unchanged (as a list). ``meta`` is static, hashable
+    metadata of the layer (e.g. convolution strides). A tagged function
+    evaluates, differentiates, jits, vmaps and pmaps exactly like the untagged
+    one; the tracer (`kfacx.layer_tags_vjp`) finds the tag and reads the layer's
+    inputs, outputs and parameters from it.
+
+    Args:
+      name: unique name of the tag; it keys ``layer_tag_to_block_ctor``.
+      num_inputs: number of layer inputs among the operands.
+      num_outputs: number of layer outputs among the operands (and results).
+      compute: optional ``compute(inputs, params, **meta) -> outputs`` that
+        recomputes the layer; blocks that need per-example parameter gradients
+        (`kfacx.blocks.Diagonal`, `kfacx.blocks.Full`) use it.
+
+    Raises:
+      ValueError: if a tag with this name exists already, or counts are invalid.
+
+    Example::
+
+      my_tag = kfacx.tags.LayerTag("my_dense_tag", num_inputs=1, num_outputs=1)
+      y, = my_tag.bind(y, x, w)   # returns y unchanged
+    """
+
+    def __init__(
+        self,
+        name: str,
+        num_inputs: int,
+        num_outputs: int,
+        compute: LayerCompute | None = None,
+    ):
+        if num_inputs < 0:
+            raise ValueError(f"LayerTag {name!r}: num_inputs must be >= 0, got {num_inputs}.")
+        if any(t.name == name for t in _LAYER_TAGS.values()):
+            raise ValueError(
+                f"A layer tag named {name!r} exists already; give the new tag a unique name "
+                f"(names key `layer_tag_to_block_ctor`)."
+            )
+        super().__init__(name, num_outputs)
+        self._num_inputs = num_inputs
+        self._num_outputs = num_outputs
+        self.compute = compute
+        _LAYER_TAGS[self.primitive] = self
+
+    @property
+    def num_inputs(self) -> int:
+        """The number of layer inputs among the operands."""
+        return self._num_inputs
+
+    @property
+    def num_outputs(self) -> int:
+        """The number of layer outputs among the operands."""
+        return self._num_outputs
+
+    def split(self, operands: Sequence[Any]) -> tuple[tuple, tuple, tuple]:
+        """Splits a tag's operands into ``(outputs, inputs, params)``."""
+        n_out, n_in = self._num_outputs, self._num_inputs
+        operands = tuple(operands)
+        return operands[:n_out], operands[n_out : n_out + n_in], operands[n_out + n_in :]
+
+
+def layer_tag_for(primitive: Any) -> LayerTag | None:
+    """Returns the `LayerTag` whose primitive is ``primitive``, or None."""
+    return _LAYER_TAGS.get(primitive)
+
+
+def _shape_error(tag: str, what: str, got: Any, want: str, fix: str) -> ValueError:
+    return ValueError(f"{tag}: {what} has shape {tuple(got)}, expected {want}. {fix}")
+
+
+# ----------------------------------------------------------------------------- dense
+
+
+def _dense_compute(inputs, params, **meta):
+    del meta
+    (x,) = inputs
+    w, *b = params
+    y = jnp.tensordot(x, w, axes=1)
+    return (y + b[0],) if b else (y,)
+
+
+dense = LayerTag("dense_tag", num_inputs=1, num_outputs=1, compute=_dense_compute)
+
+
+def register_dense(y: jax.Array, x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
+    """Marks a dense layer ``y = x @ w + b`` and returns ``y`` unchanged.
+
+    Args:
+      y: the layer output, shape ``[..., d_out]``.
+      x: the layer input, shape ``[..., d_in]`` (any leading batch dimensions).
+      w: the weight, shape ``[d_in, d_out]``.
+      b: optional bias, shape ``[d_out]``.
+
+    Returns:
+      ``y``, tagged.
+
+    Raises:
+      ValueError: if the shapes do not describe a dense layer.
+
+    Example::
+
+      y = kfacx.register_dense(x @ w + b, x, w, b)
+    """
+    if w.ndim != 2:
+        raise _shape_error("register_dense", "w", w.shape, "[d_in, d_out]",
+                           "Reshape multi-axis weights to 2-D, or use a custom tag.")
+    d_in, d_out = w.shape
+    if x.ndim < 1 or x.shape[-1] != d_in:
+        raise _shape_error("register_dense", "x", x.shape, f"[..., {d_in}]",
+                           "The last axis of x must be contracted with the first axis of w.")
+    if tuple(y.shape) != tuple(x.shape[:-1]) + (d_out,):
+        raise _shape_error("register_dense", "y", y.shape, f"{tuple(x.shape[:-1]) + (d_out,)}",
+                           "Pass the layer output as y.")
+    if b is not None and tuple(b.shape) != (d_out,):
+        raise _shape_error("register_dense", "b", b.shape, f"({d_out},)", "")
+    operands = (y, x, w) if b is None else (y, x, w, b)
+    return dense.bind(*operands)[0]
+
+
+# ----------------------------------------------------------------------------- conv
+
+
+def _conv_compute(inputs, params, **meta):
+    (x,) = inputs
+    w, *b = params
+    y = jax.lax.conv_general_dilated(
+        x,
+        w,
+        window_strides=meta["window_strides"],
+        padding=meta["padding"],
+        lhs_dilation=meta["lhs_dilation"],
+        rhs_dilation=meta["rhs_dilation"],
+        dimension_numbers=meta["dimension_numbers"],
+        feature_group_count=meta["feature_group_count"],
+    )
+    if b:
+        shape = [1] * y.ndim
+        shape[meta["dimension_numbers"].out_spec[1]] = -1
+        y = y + b[0].reshape(shape)
+    return (y,)
+
+
+conv = LayerTag("conv_tag", num_inputs=1, num_outputs=1, compute=_conv_compute)
+
+
+def _dilate_dim(size: int, dilation: int) -> int:
+    return 0 if size == 0 else 1 + dilation * (size - 1)
+
+
+def conv_meta(
+    x_shape: Sequence[int],
+    w_shape: Sequence[int],
+    window_strides: Sequence[int] | None = None,
+    padding: str | Sequence[tuple[int, int]] = "VALID",
+    lhs_dilation: Sequence[int] | None = None,
+    rhs_dilation: Sequence[int] | None = None,
+    dimension_numbers: Any = None,
+    feature_group_count: int = 1,
+    batch_group_count: int = 1,
+) -> dict[str, Any]:
+    """Normalises `jax.lax.conv_general_dilated` arguments to static tag metadata.
+
+    Returns a dict with explicit ``padding`` pairs, tuples for strides and
+    dilations, and a `jax.lax.ConvDimensionNumbers` for ``dimension_numbers``.
+
+    Raises:
+      ValueError: for ``batch_group_count != 1`` or inconsistent lengths.
+    """
+    if batch_group_count != 1:
+        raise ValueError(
+            f"register_conv: batch_group_count={batch_group_count} is not supported "
+            "(it appears in weight-gradient convolutions, not in layers)."
+        )
+    n = len(x_shape) - 2
+    if n < 1 or len(w_shape) != n + 2:
+        raise ValueError(
+            f"register_conv: x has shape {tuple(x_shape)} and w {tuple(w_shape)}; a convolution "
+            "needs both of rank n+2 with n >= 1 spatial dimensions."
+        )
+    dnums = jax.lax.conv_dimension_numbers(tuple(x_shape), tuple(w_shape), dimension_numbers)
+    strides = tuple(int(s) for s in (window_strides or (1,) * n))
+    lhs_dil = tuple(int(s) for s in (lhs_dilation or (1,) * n))
+    rhs_dil = tuple(int(s) for s in (rhs_dilation or (1,) * n))
+    for arg, val in (("window_strides", strides), ("lhs_dilation", lhs_dil),
+                     ("rhs_dilation", rhs_dil)):
+        if len(val) != n:
+            raise ValueError(f"register_conv: {arg}={val} must have {n} entries, one per spatial dim.")
+    if isinstance(padding, str):
+        in_spatial = [x_shape[d] for d in dnums.lhs_spec[2:]]
+        window = [_dilate_dim(w_shape[d], r) for d, r in zip(dnums.rhs_spec[2:], rhs_dil)]
+        padding = jax.lax.padtype_to_pads(in_spatial, window, strides, padding)
+    pads = tuple((int(lo), int(hi)) for lo, hi in padding)
+    if len(pads) != n:
+        raise ValueError(f"register_conv: padding={pads} must have {n} (low, high) pairs.")
+    return dict(
+        window_strides=strides,
+        padding=pads,
+        lhs_dilation=lhs_dil,
+        rhs_dilation=rhs_dil,
+        dimension_numbers=dnums,
+        feature_group_count=int(feature_group_count),
+    )
+
+
+def register_conv(
+    y: jax.Array,
+    x: jax.Array,
+    w: jax.Array,
+    b: jax.Array | None = None,
+    **conv_params: Any,
+) -> jax.Array:
+    """Marks a convolution (any number of spatial dimensions) and returns ``y``.
+
+    Args:
+      y: the convolution output (plus bias).
+      x: the convolution input.
+      w: the kernel.
+      b: optional bias, one entry per output feature.
+      **conv_params: the arguments given to `jax.lax.conv_general_dilated`:
+        ``window_strides``, ``padding`` (string or explicit pairs),
+        ``lhs_dilation``, ``rhs_dilation``, ``dimension_numbers``,
+        ``feature_group_count``.
+
+    Returns:
+      ``y``, tagged.
+
+    Raises:
+      ValueError: if ``y`` does not have the shape the convolution produces, or
+        the parameters are inconsistent.
+
+    Example::
+
+      kw = dict(window_strides=(2, 2), padding="SAME",
+                dimension_numbers=("NHWC", "HWIO", "NHWC"))
+      y = kfacx.register_conv(jax.lax.conv_general_dilated(x, w, **kw), x, w, **kw)
+    """
+    meta = conv_meta(x.shape, w.shape, **conv_params)
+    expected = jax.eval_shape(lambda x_, w_: _conv_compute((x_,), (w_,), **meta)[0], x, w).shape
+    if tuple(y.shape) != tuple(expected):
+        raise _shape_error("register_conv", "y", y.shape, f"{tuple(expected)}",
+                           "Pass the convolution's output and the same conv parameters.")
+    out_features = w.shape[meta["dimension_numbers"].rhs_spec[0]]
+    if b is not None and tuple(b.shape) != (out_features,):
+        raise _shape_error("register_conv", "b", b.shape, f"({out_features},)", "")
+    operands = (y, x, w) if b is None else (y, x, w, b)
+    return conv.bind(*operands, **meta)[0]
+
+
+def register_conv2d(
+    y: jax.Array, x: jax.Array, w: jax.Array, b: jax.Array | None = None, **conv_params: Any
+) -> jax.Array:
+    """`register_conv` for 2-D convolutions (checks that the kernel is 4-D).
+
+    Raises:
+      ValueError: if ``w`` is not 4-D, or as `register_conv`.
+    """
+    if w.ndim != 4:
+        raise _shape_error("register_conv2d", "w", w.shape, "a 4-D kernel",
+                           "Use register_conv for 1-D or 3-D convolutions.")
+    return register_conv(y, x, w, b, **conv_params)
+
+
+# ----------------------------------------------------------------------------- scale and shift
+
+
+def _scale_and_shift_compute(inputs, params, *, has_scale, has_shift):
+    (x,) = inputs
+    params = list(params)
+    y = x
+    if has_scale:
+        y = y * jnp.broadcast_to(params.pop(0), x.shape)
+    if has_shift:
+        y = y + jnp.broadcast_to(params.pop(0), x.shape)
+    return (y,)
+
+
+scale_and_shift = LayerTag(
+    "scale_and_shift_tag", num_inputs=1, num_outputs=1, compute=_scale_and_shift_compute
+)
+
+
+def _broadcasts_to(shape: Sequence[int], target: Sequence[int]) -> bool:
+    try:
+        return jnp.broadcast_shapes(tuple(shape), tuple(target)) == tuple(target)
+    except ValueError:
+        return False
+
+
+def register_scale_and_shift(
+    y: jax.Array, x: jax.Array, scale: jax.Array | None = None, shift: jax.Array | None = None
+) -> jax.Array:
+    """Marks ``y = x * scale + shift`` (e.g. the affine part of a normalization layer).
+
+    ``scale`` and ``shift`` broadcast against the trailing axes of ``x``.
+
+    Returns:
+      ``y``, tagged.
+
+    Raises:
+      ValueError: if neither ``scale`` nor ``shift`` is given, or shapes do not broadcast.
+
+    Example::
+
+      y = kfacx.register_scale_and_shift(x_hat * gamma + beta, x_hat, gamma, beta)
+    """
+    if scale is None and shift is None:
+        raise ValueError("register_scale_and_shift: give at least one of scale and shift.")
+    for what, p in (("scale", scale), ("shift", shift)):
+        if p is None:
+            continue
+        batch_free = p.ndim < x.ndim or p.shape[0] == 1
+        if not batch_free or not _broadcasts_to(p.shape, x.shape):
+            raise _shape_error("register_scale_and_shift", what, p.shape,
+                               f"a shape that broadcasts to the trailing axes of x {tuple(x.shape)}",
+                               "The leading (batch) axis of x must not be in the parameter.")
+    if tuple(y.shape) != tuple(x.shape):
+        raise _shape_error("register_scale_and_shift", "y", y.shape, f"{tuple(x.shape)}", "")
+    params = tuple(p for p in (scale, shift) if p is not None)
+    return scale_and_shift.bind(
+        y, x, *params, has_scale=scale is not None, has_shift=shift is not None
+    )[0]
+
+
+# ----------------------------------------------------------------------------- generic
+
+
+generic = LayerTag("generic_tag", num_inputs=0, num_outputs=1)
+
+
+def register_generic(parameter: jax.Array) -> jax.Array:
+    """Marks a parameter that belongs to no known layer kind; returns it unchanged.
+
+    Its block (`kfacx.blocks.Diagonal` by default) is estimated from the
+    gradient of the loss with respect to the parameter itself.
+
+    Example::
+
+      w = kfacx.register_generic(w)
+    """
+    return generic.bind(parameter, parameter)[0]

@@ -1,0 +1,321 @@
+"""Tracing a tagged loss function: layer statistics and loss-output products.
+
+`trace` turns ``func(*func_args)`` into a jaxpr once (per argument shapes) and
+finds its layer and loss tags. `layer_tags_vjp` evaluates the jaxpr with a
+zero perturbation added to every layer output; the vjp with respect to those
+perturbations gives, for any cotangent of the registered losses' predictions,
+the cotangent of every layer's outputs. `loss_tags_jvp` / `loss_tags_vjp`
+give the Jacobian products of the loss predictions with respect to the
+parameters (for Gauss-Newton-vector products).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from kfacx import _jaxpr, losses, tags
+from kfacx.blocks import LayerInfo
+
+
+def path_to_str(path: Sequence[Any]) -> str:
+    """Formats a pytree key path as ``"mlp/~/linear_0/w"``."""
+    parts = []
+    for key in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+        else:
+            parts.append(str(key))
+    return "/".join(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class TracedFunction:
+    """A traced loss function: its jaxpr and the layer and loss tags found in it.
+
+    Attributes:
+      closed_jaxpr: the jaxpr of ``func(*func_args)``.
+      params_index: which positional argument holds the parameters.
+      param_paths: the path of every parameter leaf.
+      layers: a `kfacx.blocks.LayerInfo` per layer tag, in evaluation order.
+      layer_param_leaves: for every layer, the parameter-leaf indices of its params.
+      output_dtypes: for every layer, the dtypes of its outputs.
+      num_losses: number of loss tags.
+    """
+
+    closed_jaxpr: Any
+    in_tree: Any
+    params_index: int
+    params_tree: Any
+    param_paths: tuple[str, ...]
+    layers: tuple[LayerInfo, ...]
+    layer_param_leaves: tuple[tuple[int, ...], ...]
+    output_dtypes: tuple[tuple[Any, ...], ...]
+    num_losses: int
+
+    @property
+    def num_param_leaves(self) -> int:
+        """Number of parameter leaves."""
+        return len(self.param_paths)
+
+
+def _shape_key(func_args: Sequence[Any]) -> tuple:
+    leaves, tree = jax.tree_util.tree_flatten(func_args)
+    return tree, tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves)
+
+
+def _param_leaf_range(func_args: Sequence[Any], params_index: int) -> tuple[int, int]:
+    before = sum(len(jax.tree_util.tree_leaves(a)) for a in func_args[:params_index])
+    return before, before + len(jax.tree_util.tree_leaves(func_args[params_index]))
+
+
+def trace(func: Callable[..., Any], func_args: Sequence[Any], params_index: int = 0) -> TracedFunction:
+    """Traces ``func(*func_args)`` and collects its tags.
+
+    Args:
+      func: the tagged loss function.
+      func_args: its positional arguments (arrays or `jax.ShapeDtypeStruct`).
+      params_index: the position of the parameters among ``func_args``.
+
+    Returns:
+      A `TracedFunction`.
+
+    Raises:
+      ValueError: if no loss is registered, a layer tag's parameter is not a
+        leaf of the parameters, or a parameter is used by two layer tags.
+    """
+    func_args = tuple(func_args)
+    if not 0 <= params_index < len(func_args):
+        raise ValueError(f"params_index={params_index} is out of range for {len(func_args)} arguments.")
+    specs = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), func_args)
+    closed = jax.make_jaxpr(func)(*specs)
+    in_tree = jax.tree_util.tree_structure(func_args)
+    path_leaves, params_tree = jax.tree_util.tree_flatten_with_path(func_args[params_index])
+    param_paths = tuple(path_to_str(p) for p, _ in path_leaves)
+    start, stop = _param_leaf_range(func_args, params_index)
+    origins = [i - start if start <= i < stop else None for i in range(len(closed.jaxpr.invars))]
+
+    layers, leaves_of, out_dtypes, num_losses = [], [], [], 0
+    owner: dict[int, str] = {}
+    for eqn, ins in _jaxpr.walk_tags(closed.jaxpr, origins):
+        tag = tags.layer_tag_for(eqn.primitive)
+        if tag is None:
+            num_losses += 1
+            continue
+        info, leaf_ids = _layer_info(tag, eqn, ins, param_paths)
+        for leaf in leaf_ids:
+            if leaf in owner:
+                raise ValueError(
+                    f"Parameter {param_paths[leaf]!r} is used by two layer tags ({owner[leaf]} and "
+                    f"{info.name}); weight sharing is not supported yet. Register the layer once, or "
+                    "tag the shared parameter with kfacx.register_generic."
+                )
+            owner[leaf] = info.name
+        layers.append(info)
+        leaves_of.append(leaf_ids)
+        out_dtypes.append(tuple(v.aval.dtype for v in tag.split(eqn.invars)[0]))
+    if num_losses == 0:
+        raise ValueError(
+            "The function registers no loss. Call e.g. kfacx.register_softmax_cross_entropy_loss("
+            "logits, labels) on the model output inside the loss function."
+        )
+    return TracedFunction(
+        closed, in_tree, params_index, params_tree, param_paths, tuple(layers), tuple(leaves_of),
+        tuple(out_dtypes), num_losses,
+    )
+
+
+def _layer_info(tag, eqn, ins, param_paths) -> tuple[LayerInfo, tuple[int, ...]]:
+    outputs, inputs, params = tag.split(eqn.invars)
+    _, _, param_origins = tag.split(ins)
+    bad = [i for i, o in enumerate(param_origins) if o is None]
+    if bad:
+        raise ValueError(
+            f"Layer tag {tag.name!r}: parameter operand {bad[0]} is computed inside the function "
+            "(or is a constant), not a leaf of the parameters. Pass the parameter array itself "
+            "to the register_* call."
+        )
+    leaf_ids = tuple(param_origins)
+    info = LayerInfo(
+        tag_name=tag.name,
+        parameter_paths=tuple(param_paths[i] for i in leaf_ids),
+        parameter_shapes=tuple(tuple(v.aval.shape) for v in params),
+        parameter_dtypes=tuple(v.aval.dtype for v in params),
+        input_shapes=tuple(tuple(v.aval.shape) for v in inputs),
+        output_shapes=tuple(tuple(v.aval.shape) for v in outputs),
+        meta=dict(eqn.params),
+        compute=tag.compute,
+    )
+    return info, leaf_ids
+
+
+_TRACE_CACHE: collections.OrderedDict = collections.OrderedDict()
+_TRACE_CACHE_SIZE = 64
+
+
+def trace_cached(func: Callable[..., Any], func_args: Sequence[Any], params_index: int = 0) -> TracedFunction:
+    """`trace`, memoised on the function and the arguments' shapes and dtypes."""
+    key = (func, params_index, _shape_key(tuple(func_args)))
+    if key not in _TRACE_CACHE:
+        _TRACE_CACHE[key] = trace(func, func_args, params_index)
+        while len(_TRACE_CACHE) > _TRACE_CACHE_SIZE:
+            _TRACE_CACHE.popitem(last=False)
+    _TRACE_CACHE.move_to_end(key)
+    return _TRACE_CACHE[key]
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+def _forward(traced: TracedFunction, flat_args: Sequence[Any], perturbations: Sequence[tuple]):
+    """Evaluates the jaxpr; returns the loss predictions and, as aux, the tag data."""
+    records: list[dict] = []
+    loss_operands: list[tuple] = []
+
+    def on_tag(eqn, invals):
+        layer_tag = tags.layer_tag_for(eqn.primitive)
+        if layer_tag is None:
+            loss_operands.append((eqn, tuple(invals)))
+            return invals[:1]
+        outputs, inputs, params = layer_tag.split(invals)
+        i = len(records)
+        records.append(dict(inputs=inputs, outputs=outputs, params=params))
+        return [o + p for o, p in zip(outputs, perturbations[i], strict=True)]
+
+    closed = traced.closed_jaxpr
+    _jaxpr.eval_jaxpr(closed.jaxpr, closed.consts, flat_args, on_tag)
+    predictions = tuple(ops[0] for _, ops in loss_operands)
+    return predictions, (records, loss_operands)
+
+
+def _make_losses(loss_operands, predictions) -> tuple[losses.LossFunction, ...]:
+    return tuple(
+        losses.loss_from_tag(tags.loss_tag_for(eqn.primitive), (pred, *ops[1:]), eqn.params)
+        for (eqn, ops), pred in zip(loss_operands, predictions, strict=True)
+    )
+
+
+def _zero_perturbations(traced: TracedFunction) -> tuple:
+    return tuple(
+        tuple(jnp.zeros(s, d) for s, d in zip(layer.output_shapes, dtypes, strict=True))
+        for layer, dtypes in zip(traced.layers, traced.output_dtypes, strict=True)
+    )
+
+
+class LayerTagsVjp:
+    """The vjp returned by `layer_tags_vjp`: loss cotangents -> per-layer estimation data."""
+
+    def __init__(self, vjp_fn, records):
+        self._vjp_fn = vjp_fn
+        self._records = records
+
+    def tangents(self, loss_cotangents: Sequence[jax.Array]) -> tuple[tuple[jax.Array, ...], ...]:
+        """The cotangents of every layer's outputs (without the layer data)."""
+        (tangents,) = self._vjp_fn(tuple(loss_cotangents))
+        return tangents
+
+    def _data(self, tangents) -> tuple[dict, ...]:
+        return tuple(
+            dict(rec, outputs_tangent=tuple(t)) for rec, t in zip(self._records, tangents, strict=True)
+        )
+
+    def __call__(self, loss_cotangents: Sequence[jax.Array]) -> tuple[dict, ...]:
+        """Per layer: ``inputs``, ``outputs``, ``params`` and ``outputs_tangent``.
+
+        Args:
+          loss_cotangents: one array per registered loss, shaped like its prediction.
+        """
+        return self._data(self.tangents(loss_cotangents))
+
+    def sampled(self, loss_cotangents: Sequence[jax.Array]) -> tuple[dict, ...]:
+        """As `__call__`, for cotangents with a leading samples axis; every
+        ``outputs_tangent`` then has that leading axis too."""
+        return self._data(jax.vmap(self.tangents)(tuple(loss_cotangents)))
+
+
+def layer_tags_vjp(
+    func: Callable[..., Any], func_args: Sequence[Any], params_index: int = 0
+) -> tuple[tuple[losses.LossFunction, ...], LayerTagsVjp]:
+    """Evaluates a tagged function; returns its losses and a vjp to the layer outputs.
+
+    Args:
+      func: a loss function with registered losses and layer tags.
+      func_args: its positional arguments.
+      params_index: the position of the parameters among ``func_args``.
+
+    Returns:
+      ``(losses, vjp)``: a `kfacx.losses.LossFunction` per registered loss (with
+      its prediction and targets), and a `LayerTagsVjp` that maps cotangents of
+      the loss predictions to every layer's ``inputs``, ``outputs``, ``params``
+      and ``outputs_tangent``.
+
+    Raises:
+      ValueError: as `trace`.
+
+    Example::
+
+      losses, vjp = kfacx.layer_tags_vjp(loss_fn, (params, batch))
+      data = vjp([losses[0].per_example_gradient()])
+    """
+    traced = trace_cached(func, func_args, params_index)
+    flat_args = jax.tree_util.tree_leaves(tuple(func_args))
+    predictions, vjp_fn, (records, loss_operands) = jax.vjp(
+        lambda p: _forward(traced, flat_args, p), _zero_perturbations(traced), has_aux=True
+    )
+    return _make_losses(loss_operands, predictions), LayerTagsVjp(vjp_fn, records)
+
+
+def _predictions_of_params(traced: TracedFunction, func_args: Sequence[Any]):
+    flat_args = jax.tree_util.tree_leaves(tuple(func_args))
+    start, stop = _param_leaf_range(func_args, traced.params_index)
+    zeros = _zero_perturbations(traced)
+
+    def predictions(params):
+        leaves = jax.tree_util.tree_leaves(params)
+        args = list(flat_args[:start]) + list(leaves) + list(flat_args[stop:])
+        preds, (_, loss_operands) = _forward(traced, args, zeros)
+        return preds, loss_operands
+
+    return predictions
+
+
+def loss_tags_jvp(
+    func: Callable[..., Any], func_args: Sequence[Any], params_tangent: Any, params_index: int = 0
+) -> tuple[tuple[losses.LossFunction, ...], tuple[jax.Array, ...]]:
+    """Jacobian-vector product of the loss predictions with respect to the parameters.
+
+    Returns:
+      ``(losses, prediction_tangents)``: one tangent per registered loss.
+    """
+    traced = trace_cached(func, func_args, params_index)
+    f = _predictions_of_params(traced, func_args)
+    preds, tangents, ops = jax.jvp(
+        f, (func_args[params_index],), (params_tangent,), has_aux=True
+    )
+    return _make_losses(ops, preds), tangents
+
+
+def loss_tags_vjp(
+    func: Callable[..., Any], func_args: Sequence[Any], params_index: int = 0
+) -> tuple[tuple[losses.LossFunction, ...], Callable[[Sequence[jax.Array]], Any]]:
+    """Vector-Jacobian product of the loss predictions with respect to the parameters.
+
+    Returns:
+      ``(losses, vjp)`` where ``vjp(prediction_cotangents)`` is a parameter pytree.
+    """
+    traced = trace_cached(func, func_args, params_index)
+    f = _predictions_of_params(traced, func_args)
+    preds, vjp_fn, ops = jax.vjp(f, func_args[params_index], has_aux=True)
+
+    def vjp(cotangents):
+        (grads,) = vjp_fn(tuple(cotangents))
+        return grads
+
+    return _make_losses(ops, preds), vjp
