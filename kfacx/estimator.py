@@ -107,12 +107,15 @@ class BlockDiagonalCurvature:
         if not callable(func):
             raise TypeError(f"BlockDiagonalCurvature: func must be callable, got {func!r}.")
         if not isinstance(num_samples, int) or num_samples < 1:
-            raise ValueError(f"BlockDiagonalCurvature: num_samples must be an int >= 1, got {num_samples!r}.")
+            raise ValueError(
+                f"BlockDiagonalCurvature: num_samples must be an int >= 1, got {num_samples!r}."
+            )
         ctors = dict(DEFAULT_LAYER_TAG_TO_BLOCK_CTOR)
         for name, ctor in (layer_tag_to_block_ctor or {}).items():
             if not callable(ctor):
                 raise TypeError(
-                    f"layer_tag_to_block_ctor[{name!r}] must be a block class or factory, got {ctor!r}."
+                    f"layer_tag_to_block_ctor[{name!r}] must be a block class or factory, "
+                    f"got {ctor!r}."
                 )
             ctors[name] = ctor
         self.func = func
@@ -120,7 +123,11 @@ class BlockDiagonalCurvature:
         self.layer_tag_to_block_ctor = ctors
         self.default_estimation_mode = _check_mode(default_estimation_mode)
         self.num_samples = num_samples
-        self._cache_spec = (tuple(exact_powers_to_cache), tuple(approx_powers_to_cache), cache_eigenvalues)
+        self._cache_spec = (
+            tuple(exact_powers_to_cache),
+            tuple(approx_powers_to_cache),
+            cache_eigenvalues,
+        )
         self._traced: tracer.TracedFunction | None = None
         self._blocks: tuple[blocks_lib.CurvatureBlock, ...] = ()
 
@@ -234,7 +241,9 @@ class BlockDiagonalCurvature:
             batch_size = losses[0].batch_size
         data = vjp.sampled(self._loss_cotangents(losses, mode, rng))
         new_blocks = tuple(
-            block.update_curvature_matrix_estimate(s, d, ema_old, ema_new, batch_size, pmap_axis_name)
+            block.update_curvature_matrix_estimate(
+                s, d, ema_old, ema_new, batch_size, pmap_axis_name
+            )
             for block, s, d in zip(self._blocks, state.blocks, data, strict=True)
         )
         return EstimatorState(new_blocks)
@@ -257,7 +266,11 @@ class BlockDiagonalCurvature:
                 signs = jax.vmap(
                     lambda k: jax.random.rademacher(k, shape, dtype=loss.prediction.dtype)
                 )(sample_keys)
-                factor = loss.multiply_fisher_factor if mode.startswith("fisher") else loss.multiply_ggn_factor
+                factor = (
+                    loss.multiply_fisher_factor
+                    if mode.startswith("fisher")
+                    else loss.multiply_ggn_factor
+                )
                 cts = jax.vmap(factor)(signs)
             return cts / jnp.sqrt(jnp.asarray(n, cts.dtype))
 
@@ -272,7 +285,10 @@ class BlockDiagonalCurvature:
         self._require_set_up()
         _check_damping(identity_weight, "update_cache", allow_zero=False)
         return EstimatorState(
-            tuple(b.update_cache(s, identity_weight) for b, s in zip(self._blocks, state.blocks, strict=True))
+            tuple(
+                b.update_cache(s, identity_weight)
+                for b, s in zip(self._blocks, state.blocks, strict=True)
+            )
         )
 
     # ---------------------------------------------------------------- products
@@ -307,8 +323,12 @@ class BlockDiagonalCurvature:
         return self.multiply_matpower(state, vector, identity_weight, 1)
 
     def multiply_inverse(
-        self, state: EstimatorState, vector: Any, identity_weight: Any,
-        exact_power: bool = False, use_cached: bool = False,
+        self,
+        state: EstimatorState,
+        vector: Any,
+        identity_weight: Any,
+        exact_power: bool = False,
+        use_cached: bool = False,
     ) -> Any:
         """``(C + identity_weight I)^-1 v``."""
         return self.multiply_matpower(state, vector, identity_weight, -1, exact_power, use_cached)
@@ -318,8 +338,12 @@ class BlockDiagonalCurvature:
         traced = self._require_set_up()
         sizes = [math.prod(s) for s in _leaf_shapes(self)]
         offsets = np.cumsum([0] + sizes)
-        dense = jnp.zeros((offsets[-1], offsets[-1]), self._blocks[0].dtype if self._blocks else jnp.float32)
-        for block, s, ids in zip(self._blocks, state.blocks, traced.layer_param_leaves, strict=True):
+        dense = jnp.zeros(
+            (offsets[-1], offsets[-1]), self._blocks[0].dtype if self._blocks else jnp.float32
+        )
+        for block, s, ids in zip(
+            self._blocks, state.blocks, traced.layer_param_leaves, strict=True
+        ):
             index = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in ids])
             dense = dense.at[index[:, None], index[None, :]].set(block.to_dense_matrix(s))
         return dense

@@ -76,7 +76,9 @@ def _param_leaf_range(func_args: Sequence[Any], params_index: int) -> tuple[int,
     return before, before + len(jax.tree_util.tree_leaves(func_args[params_index]))
 
 
-def trace(func: Callable[..., Any], func_args: Sequence[Any], params_index: int = 0) -> TracedFunction:
+def trace(
+    func: Callable[..., Any], func_args: Sequence[Any], params_index: int = 0
+) -> TracedFunction:
     """Traces ``func(*func_args)`` and collects its tags.
 
     Args:
@@ -93,8 +95,12 @@ def trace(func: Callable[..., Any], func_args: Sequence[Any], params_index: int 
     """
     func_args = tuple(func_args)
     if not 0 <= params_index < len(func_args):
-        raise ValueError(f"params_index={params_index} is out of range for {len(func_args)} arguments.")
-    specs = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), func_args)
+        raise ValueError(
+            f"params_index={params_index} is out of range for {len(func_args)} arguments."
+        )
+    specs = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), func_args
+    )
     closed = jax.make_jaxpr(func)(*specs)
     in_tree = jax.tree_util.tree_structure(func_args)
     path_leaves, params_tree = jax.tree_util.tree_flatten_with_path(func_args[params_index])
@@ -114,8 +120,8 @@ def trace(func: Callable[..., Any], func_args: Sequence[Any], params_index: int 
             if leaf in owner:
                 raise ValueError(
                     f"Parameter {param_paths[leaf]!r} is used by two layer tags ({owner[leaf]} and "
-                    f"{info.name}); weight sharing is not supported yet. Register the layer once, or "
-                    "tag the shared parameter with kfacx.register_generic."
+                    f"{info.name}); weight sharing is not supported yet. Register the layer "
+                    "once, or tag the shared parameter with kfacx.register_generic."
                 )
             owner[leaf] = info.name
         layers.append(info)
@@ -127,8 +133,15 @@ def trace(func: Callable[..., Any], func_args: Sequence[Any], params_index: int 
             "logits, labels) on the model output inside the loss function."
         )
     return TracedFunction(
-        closed, in_tree, params_index, params_tree, param_paths, tuple(layers), tuple(leaves_of),
-        tuple(out_dtypes), num_losses,
+        closed,
+        in_tree,
+        params_index,
+        params_tree,
+        param_paths,
+        tuple(layers),
+        tuple(leaves_of),
+        tuple(out_dtypes),
+        num_losses,
     )
 
 
@@ -160,7 +173,9 @@ _TRACE_CACHE: collections.OrderedDict = collections.OrderedDict()
 _TRACE_CACHE_SIZE = 64
 
 
-def trace_cached(func: Callable[..., Any], func_args: Sequence[Any], params_index: int = 0) -> TracedFunction:
+def trace_cached(
+    func: Callable[..., Any], func_args: Sequence[Any], params_index: int = 0
+) -> TracedFunction:
     """`trace`, memoised on the function and the arguments' shapes and dtypes."""
     key = (func, params_index, _shape_key(tuple(func_args)))
     if key not in _TRACE_CACHE:
@@ -223,7 +238,8 @@ class LayerTagsVjp:
 
     def _data(self, tangents) -> tuple[dict, ...]:
         return tuple(
-            dict(rec, outputs_tangent=tuple(t)) for rec, t in zip(self._records, tangents, strict=True)
+            dict(rec, outputs_tangent=tuple(t))
+            for rec, t in zip(self._records, tangents, strict=True)
         )
 
     def __call__(self, loss_cotangents: Sequence[jax.Array]) -> tuple[dict, ...]:
@@ -296,9 +312,7 @@ def loss_tags_jvp(
     """
     traced = trace_cached(func, func_args, params_index)
     f = _predictions_of_params(traced, func_args)
-    preds, tangents, ops = jax.jvp(
-        f, (func_args[params_index],), (params_tangent,), has_aux=True
-    )
+    preds, tangents, ops = jax.jvp(f, (func_args[params_index],), (params_tangent,), has_aux=True)
     return _make_losses(ops, preds), tangents
 
 

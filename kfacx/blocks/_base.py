@@ -155,7 +155,9 @@ class CurvatureBlock(abc.ABC):
 
     @abc.abstractmethod
     def init_cache(
-        self, exact_powers_to_cache: Sequence[float], approx_powers_to_cache: Sequence[float],
+        self,
+        exact_powers_to_cache: Sequence[float],
+        approx_powers_to_cache: Sequence[float],
         cache_eigenvalues: bool,
     ) -> Any:
         """An empty cache with the requested (static) structure."""
@@ -170,8 +172,13 @@ class CurvatureBlock(abc.ABC):
 
     @abc.abstractmethod
     def _multiply_matpower(
-        self, state: BlockState, vector: Params, identity_weight: Any, power: float,
-        exact_power: bool, use_cached: bool,
+        self,
+        state: BlockState,
+        vector: Params,
+        identity_weight: Any,
+        power: float,
+        exact_power: bool,
+        use_cached: bool,
     ) -> Params:
         """``(C + identity_weight I)^power v`` for ``power != 1``."""
 
@@ -201,7 +208,8 @@ class CurvatureBlock(abc.ABC):
         del rng
         factors = tuple(WeightedMovingAverage.zeros(s, self.dtype) for s in self.factor_shapes())
         cache = self.init_cache(
-            tuple(exact_powers_to_cache or ()), tuple(approx_powers_to_cache or ()),
+            tuple(exact_powers_to_cache or ()),
+            tuple(approx_powers_to_cache or ()),
             cache_eigenvalues,
         )
         return BlockState(factors, cache)

@@ -17,7 +17,12 @@ import jax.numpy as jnp
 
 from kfacx import linalg
 from kfacx.blocks import _per_example
-from kfacx.blocks._base import BlockState, CurvatureBlock, LayerInfo, flatten_params, unflatten_params
+from kfacx.blocks._base import (
+    CurvatureBlock,
+    LayerInfo,
+    flatten_params,
+    unflatten_params,
+)
 
 
 class _AbstractDiagonal(CurvatureBlock):

@@ -106,7 +106,8 @@ class TwoKroneckerFactored(CurvatureBlock):
             eigen = KroneckerEigen(zeros(g, n), zeros(g, n, n), zeros(g, m), zeros(g, m, m))
         pairs = {
             field: KroneckerPair(zeros(g, n, n), zeros(g, m, m))
-            if power in map(float, approx_powers_to_cache) else None
+            if power in map(float, approx_powers_to_cache)
+            else None
             for power, field in _APPROX_FIELDS.items()
         }
         return KroneckerCache(eigen=eigen, **pairs)
@@ -175,7 +176,9 @@ class TwoKroneckerFactored(CurvatureBlock):
         return u_a @ (rotated * scale) @ jnp.swapaxes(u_g, -1, -2)
 
     def _to_params(self, matrix, like: Params) -> Params:
-        return tuple(p.astype(v.dtype) for p, v in zip(self.matrix_to_params(matrix), like, strict=True))
+        return tuple(
+            p.astype(v.dtype) for p, v in zip(self.matrix_to_params(matrix), like, strict=True)
+        )
 
     # ---------------------------------------------------------------- dense matrix
 

@@ -29,7 +29,6 @@ def generic_per_example_gradients(
     if layer.compute is None:
         return tangents
     inputs, params = tuple(data["inputs"]), tuple(data["params"])
-    num_samples = tangents[0].shape[0]
 
     def one_example(example_inputs, example_tangents):
         def outputs(p):
@@ -48,7 +47,9 @@ def _reduce_to(per_example: jax.Array, param_shape: tuple[int, ...]) -> jax.Arra
     shape = param_shape[1:] if len(param_shape) == len(example_shape) + 1 else param_shape
     shape = (1,) * (len(example_shape) - len(shape)) + tuple(shape)
     axes = tuple(
-        i + 1 for i, (p, e) in enumerate(zip(shape, example_shape, strict=True)) if p == 1 and e != 1
+        i + 1
+        for i, (p, e) in enumerate(zip(shape, example_shape, strict=True))
+        if p == 1 and e != 1
     )
     reduced = jnp.sum(per_example, axis=axes, keepdims=True)
     return reduced.reshape((per_example.shape[0],) + tuple(param_shape))

@@ -98,13 +98,15 @@ def _dense_compute(inputs, params, **meta):
     (x,) = inputs
     w, *b = params
     y = jnp.tensordot(x, w, axes=1)
-    return (y + b[0],) if b else (y,)
+    return (y + jnp.broadcast_to(b[0], y.shape),) if b else (y,)
 
 
 dense = LayerTag("dense_tag", num_inputs=1, num_outputs=1, compute=_dense_compute)
 
 
-def register_dense(y: jax.Array, x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
+def register_dense(
+    y: jax.Array, x: jax.Array, w: jax.Array, b: jax.Array | None = None
+) -> jax.Array:
     """Marks a dense layer ``y = x @ w + b`` and returns ``y`` unchanged.
 
     Args:
@@ -124,15 +126,30 @@ def register_dense(y: jax.Array, x: jax.Array, w: jax.Array, b: jax.Array | None
       y = kfacx.register_dense(x @ w + b, x, w, b)
     """
     if w.ndim != 2:
-        raise _shape_error("register_dense", "w", w.shape, "[d_in, d_out]",
-                           "Reshape multi-axis weights to 2-D, or use a custom tag.")
+        raise _shape_error(
+            "register_dense",
+            "w",
+            w.shape,
+            "[d_in, d_out]",
+            "Reshape multi-axis weights to 2-D, or use a custom tag.",
+        )
     d_in, d_out = w.shape
     if x.ndim < 1 or x.shape[-1] != d_in:
-        raise _shape_error("register_dense", "x", x.shape, f"[..., {d_in}]",
-                           "The last axis of x must be contracted with the first axis of w.")
+        raise _shape_error(
+            "register_dense",
+            "x",
+            x.shape,
+            f"[..., {d_in}]",
+            "The last axis of x must be contracted with the first axis of w.",
+        )
     if tuple(y.shape) != tuple(x.shape[:-1]) + (d_out,):
-        raise _shape_error("register_dense", "y", y.shape, f"{tuple(x.shape[:-1]) + (d_out,)}",
-                           "Pass the layer output as y.")
+        raise _shape_error(
+            "register_dense",
+            "y",
+            y.shape,
+            f"{tuple(x.shape[:-1]) + (d_out,)}",
+            "Pass the layer output as y.",
+        )
     if b is not None and tuple(b.shape) != (d_out,):
         raise _shape_error("register_dense", "b", b.shape, f"({d_out},)", "")
     operands = (y, x, w) if b is None else (y, x, w, b)
@@ -203,13 +220,20 @@ def conv_meta(
     strides = tuple(int(s) for s in (window_strides or (1,) * n))
     lhs_dil = tuple(int(s) for s in (lhs_dilation or (1,) * n))
     rhs_dil = tuple(int(s) for s in (rhs_dilation or (1,) * n))
-    for arg, val in (("window_strides", strides), ("lhs_dilation", lhs_dil),
-                     ("rhs_dilation", rhs_dil)):
+    for arg, val in (
+        ("window_strides", strides),
+        ("lhs_dilation", lhs_dil),
+        ("rhs_dilation", rhs_dil),
+    ):
         if len(val) != n:
-            raise ValueError(f"register_conv: {arg}={val} must have {n} entries, one per spatial dim.")
+            raise ValueError(
+                f"register_conv: {arg}={val} must have {n} entries, one per spatial dim."
+            )
     if isinstance(padding, str):
         in_spatial = [x_shape[d] for d in dnums.lhs_spec[2:]]
-        window = [_dilate_dim(w_shape[d], r) for d, r in zip(dnums.rhs_spec[2:], rhs_dil)]
+        window = [
+            _dilate_dim(w_shape[d], r) for d, r in zip(dnums.rhs_spec[2:], rhs_dil, strict=True)
+        ]
         padding = jax.lax.padtype_to_pads(in_spatial, window, strides, padding)
     pads = tuple((int(lo), int(hi)) for lo, hi in padding)
     if len(pads) != n:
@@ -259,8 +283,13 @@ def register_conv(
     meta = conv_meta(x.shape, w.shape, **conv_params)
     expected = jax.eval_shape(lambda x_, w_: _conv_compute((x_,), (w_,), **meta)[0], x, w).shape
     if tuple(y.shape) != tuple(expected):
-        raise _shape_error("register_conv", "y", y.shape, f"{tuple(expected)}",
-                           "Pass the convolution's output and the same conv parameters.")
+        raise _shape_error(
+            "register_conv",
+            "y",
+            y.shape,
+            f"{tuple(expected)}",
+            "Pass the convolution's output and the same conv parameters.",
+        )
     out_features = w.shape[meta["dimension_numbers"].rhs_spec[0]]
     if b is not None and tuple(b.shape) != (out_features,):
         raise _shape_error("register_conv", "b", b.shape, f"({out_features},)", "")
@@ -277,8 +306,13 @@ def register_conv2d(
       ValueError: if ``w`` is not 4-D, or as `register_conv`.
     """
     if w.ndim != 4:
-        raise _shape_error("register_conv2d", "w", w.shape, "a 4-D kernel",
-                           "Use register_conv for 1-D or 3-D convolutions.")
+        raise _shape_error(
+            "register_conv2d",
+            "w",
+            w.shape,
+            "a 4-D kernel",
+            "Use register_conv for 1-D or 3-D convolutions.",
+        )
     return register_conv(y, x, w, b, **conv_params)
 
 
@@ -332,9 +366,13 @@ def register_scale_and_shift(
             continue
         batch_free = p.ndim < x.ndim or p.shape[0] == 1
         if not batch_free or not _broadcasts_to(p.shape, x.shape):
-            raise _shape_error("register_scale_and_shift", what, p.shape,
-                               f"a shape that broadcasts to the trailing axes of x {tuple(x.shape)}",
-                               "The leading (batch) axis of x must not be in the parameter.")
+            raise _shape_error(
+                "register_scale_and_shift",
+                what,
+                p.shape,
+                f"a shape that broadcasts to the trailing axes of x {tuple(x.shape)}",
+                "The leading (batch) axis of x must not be in the parameter.",
+            )
     if tuple(y.shape) != tuple(x.shape):
         raise _shape_error("register_scale_and_shift", "y", y.shape, f"{tuple(x.shape)}", "")
     params = tuple(p for p in (scale, shift) if p is not None)

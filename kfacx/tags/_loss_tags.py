@@ -155,7 +155,9 @@ def register_sigmoid_cross_entropy_loss(
         )
     extra = _check_mask(name, mask, tuple(logits.shape))
     weight = _static_float(name, weight, "weight")
-    return sigmoid_cross_entropy.bind(logits, targets.astype(logits.dtype), *extra, weight=weight)[0]
+    return sigmoid_cross_entropy.bind(logits, targets.astype(logits.dtype), *extra, weight=weight)[
+        0
+    ]
 
 
 def register_normal_predictive_distribution(
@@ -164,7 +166,9 @@ def register_normal_predictive_distribution(
     variance: float = 0.5,
     weight: float = 1.0,
 ) -> jax.Array:
-    """Registers the Gaussian negative log-likelihood ``weight * mean_batch(sum((t - mean)^2 / (2 variance)))``.
+    """Registers a Gaussian negative log-likelihood with fixed variance.
+
+    The loss is ``weight * mean_batch(sum((targets - mean)^2 / (2 variance)))``.
 
     Args:
       mean: the predicted mean, shape ``[batch, ...]``.

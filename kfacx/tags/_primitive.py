@@ -40,9 +40,7 @@ class _IdentityTag:
         self._primitive.def_abstract_eval(self._abstract_eval)
         ad.primitive_jvps[self._primitive] = self._jvp
         batching.primitive_batchers[self._primitive] = self._batch
-        mlir.register_lowering(
-            self._primitive, mlir.lower_fun(self._impl, multiple_results=True)
-        )
+        mlir.register_lowering(self._primitive, mlir.lower_fun(self._impl, multiple_results=True))
 
     @property
     def name(self) -> str:

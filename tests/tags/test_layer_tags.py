@@ -280,6 +280,16 @@ def _fns(case: Case):
     return (out(False), out(True)), (loss(False), loss(True))
 
 
+def _value_and_grads(case: Case):
+    """(untagged, tagged) functions ``(params, x) -> (y, (d loss/d params, d loss/d x))``."""
+    (f, f_tag), (loss, loss_tag) = _fns(case)
+
+    def both(out_fn, loss_fn):
+        return lambda p, x: (out_fn(p, x), jax.grad(loss_fn, argnums=(0, 1))(p, x))
+
+    return both(f, loss), both(f_tag, loss_tag)
+
+
 def _assert_tree_close(a, b, **tol):
     tol = tol or TOL
     assert jax.tree.structure(a) == jax.tree.structure(b)
@@ -330,48 +340,46 @@ def test_tagged_value_and_grads_match_untagged(case):
 @case_params
 def test_tagged_matches_untagged_under_jit(case):
     params, x = case.data()
-    (f, f_tag), (loss, loss_tag) = _fns(case)
-    _assert_tree_close(jax.jit(f_tag)(params, x), jax.jit(f)(params, x))
-    _assert_tree_close(
-        jax.jit(jax.value_and_grad(loss_tag, argnums=(0, 1)))(params, x),
-        jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, x),
-    )
+    fn, fn_tag = _value_and_grads(case)
+    _assert_tree_close(jax.jit(fn_tag)(params, x), jax.jit(fn)(params, x))
 
 
 @case_params
 def test_tagged_matches_untagged_under_vmap(case):
     params, xs = _stack(case, 3)
-    (f, f_tag), (loss, loss_tag) = _fns(case)
-    vf = jax.vmap(f, in_axes=(None, 0))
-    vf_tag = jax.vmap(f_tag, in_axes=(None, 0))
-    _assert_tree_close(vf_tag(params, xs), vf(params, xs))
-    grads = jax.vmap(jax.grad(loss, argnums=(0, 1)), in_axes=(None, 0))
-    grads_tag = jax.vmap(jax.grad(loss_tag, argnums=(0, 1)), in_axes=(None, 0))
-    _assert_tree_close(grads_tag(params, xs), grads(params, xs))
+    fn, fn_tag = _value_and_grads(case)
+    vmapped = jax.vmap(fn, in_axes=(None, 0))
+    vmapped_tag = jax.vmap(fn_tag, in_axes=(None, 0))
+    _assert_tree_close(vmapped_tag(params, xs), vmapped(params, xs))
 
 
 @case_params
 def test_tagged_matches_untagged_under_pmap(case):
     assert jax.local_device_count() == 4
     params, xs = _stack(case, 4)
-    (f, f_tag), (loss, loss_tag) = _fns(case)
-    pf = jax.pmap(f, in_axes=(None, 0))
-    pf_tag = jax.pmap(f_tag, in_axes=(None, 0))
-    _assert_tree_close(pf_tag(params, xs), pf(params, xs))
-    grads = jax.pmap(jax.grad(loss, argnums=(0, 1)), in_axes=(None, 0))
-    grads_tag = jax.pmap(jax.grad(loss_tag, argnums=(0, 1)), in_axes=(None, 0))
-    _assert_tree_close(grads_tag(params, xs), grads(params, xs))
+    fn, fn_tag = _value_and_grads(case)
+    pmapped = jax.pmap(fn, in_axes=(None, 0))
+    pmapped_tag = jax.pmap(fn_tag, in_axes=(None, 0))
+    _assert_tree_close(pmapped_tag(params, xs), pmapped(params, xs))
 
 
 @case_params
 def test_tagged_matches_untagged_forward_mode_and_hessian(case):
     params, x = case.data()
     (f, f_tag), (loss, loss_tag) = _fns(case)
-    # Forward mode: Jacobian of the output w.r.t. the parameters.
-    _assert_tree_close(jax.jacfwd(f_tag)(params, x), jax.jacfwd(f)(params, x))
-    # Forward-over-reverse: Hessian of a scalar loss w.r.t. the parameters.
-    tol = dict(rtol=1e-5, atol=1e-5)
-    _assert_tree_close(jax.hessian(loss_tag)(params, x), jax.hessian(loss)(params, x), **tol)
+
+    # Forward mode (Jacobian of the output w.r.t. the parameters) and
+    # forward-over-reverse (Hessian of a scalar loss w.r.t. the parameters).
+    # Jitted only to keep the test fast; the transformations are traced all the same.
+    def derivatives(out_fn, loss_fn):
+        return jax.jit(lambda p, x: (jax.jacfwd(out_fn)(p, x), jax.hessian(loss_fn)(p, x)))
+
+    _assert_tree_close(
+        derivatives(f_tag, loss_tag)(params, x),
+        derivatives(f, loss)(params, x),
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 # ----------------------------------------------------------------------------- jaxpr form
