@@ -251,7 +251,7 @@ class BlockDiagonalCurvature:
     def _loss_cotangents(self, losses: Sequence[LossFunction], mode: str, rng) -> tuple:
         """Cotangents ``[samples, *prediction_shape]`` per loss, per estimation mode."""
         if mode == "fisher_empirical":
-            return tuple(loss.per_example_gradient()[None] for loss in losses)
+            return tuple(loss.empirical_fisher_cotangent()[None] for loss in losses)
         if mode in ("fisher_exact", "ggn_exact"):
             return _exact_cotangents(losses)
         n = self.num_samples

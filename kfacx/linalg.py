@@ -17,9 +17,9 @@ def symmetrize(m: jax.Array) -> jax.Array:
 
 def add_to_diagonal(m: jax.Array, value: jax.Array) -> jax.Array:
     """``m + value * I``; ``value`` broadcasts over the leading (stack) axes."""
-    n = m.shape[-1]
-    value = jnp.asarray(value, m.dtype)[..., None, None]
-    return m + value * jnp.eye(n, dtype=m.dtype)
+    eye = jnp.broadcast_to(jnp.eye(m.shape[-1], dtype=m.dtype), m.shape)
+    value = jnp.broadcast_to(jnp.asarray(value, m.dtype)[..., None, None], m.shape)
+    return m + value * eye
 
 
 def safe_eigh(m: jax.Array) -> tuple[jax.Array, jax.Array]:

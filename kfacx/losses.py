@@ -127,6 +127,15 @@ class LossFunction(abc.ABC):
         grad = self._gradient(self.targets if targets is None else targets)
         return self._scale(grad, 1.0)
 
+    def empirical_fisher_cotangent(self) -> jax.Array:
+        """``sqrt(weight) * mask * grad nll(observed targets)``.
+
+        Its outer product, averaged over the batch, is the empirical Fisher of
+        the loss; like the other curvature products it scales with ``weight``
+        (not ``weight**2``), so all estimation modes agree on the scale.
+        """
+        return self._scale(self._gradient(self.targets), 1.0) / math.sqrt(self.weight)
+
     def sampled_fisher_cotangent(self, rng: jax.Array) -> jax.Array:
         """``sqrt(weight * mask) * grad nll(sampled targets)``: its outer product is
         an unbiased estimate of the per-example Fisher ``weight * mask * H``."""

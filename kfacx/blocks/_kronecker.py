@@ -198,7 +198,9 @@ class TwoKroneckerFactored(CurvatureBlock):
             np.arange(o, o + n).reshape(s)
             for o, n, s in zip(offsets, sizes, self.parameters_shapes, strict=True)
         ]
-        return np.asarray(self.params_to_matrix(index_params)).reshape(-1)
+        # Static index arithmetic: evaluate eagerly even under jit / pmap.
+        with jax.ensure_compile_time_eval():
+            return np.asarray(self.params_to_matrix(index_params)).reshape(-1)
 
 
 def _with_ones(rows: jax.Array) -> jax.Array:

@@ -136,17 +136,6 @@ CONV_CASES = [
         rhs_dilation=(2,),
         dimension_numbers=("NWC", "WIO", "NWC"),
     ),
-    # 2-D NHWC, stride 2, SAME: out 3, total pad (3-1)*2+3-6 = 1 -> (0, 1).
-    _conv_case(
-        "conv2d_nhwc_same_stride",
-        (2, 6, 6, 3),
-        (3, 3, 3, 4),
-        bias=True,
-        expected_padding=((0, 1), (0, 1)),
-        window_strides=(2, 2),
-        padding="SAME",
-        dimension_numbers=("NHWC", "HWIO", "NHWC"),
-    ),
     _conv_case(
         "conv2d_default_explicit_lhs_dilation",
         (2, 3, 5, 5),
@@ -156,34 +145,29 @@ CONV_CASES = [
         padding=((1, 0), (2, 1)),
         lhs_dilation=(2, 1),
     ),
+    # Grouped, NHWC, SAME with a 3-wide window dilated by (2, 1): windows 5 and 3,
+    # stride 1 -> total pads 4 and 2.
     _conv_case(
-        "conv2d_default_rhs_dilation_valid",
-        (2, 3, 7, 7),
-        (4, 3, 2, 2),
-        bias=False,
-        expected_padding=((0, 0), (0, 0)),
-        window_strides=(1, 2),
-        padding="VALID",
-        rhs_dilation=(2, 3),
-    ),
-    # SAME with stride 1 and a 3-wide window: total pad 2 -> (1, 1).
-    _conv_case(
-        "conv2d_nhwc_grouped",
+        "conv2d_nhwc_grouped_same_rhs_dilation",
         (2, 5, 5, 4),
         (3, 3, 2, 6),
         bias=True,
-        expected_padding=((1, 1), (1, 1)),
+        expected_padding=((2, 2), (1, 1)),
         padding="SAME",
+        rhs_dilation=(2, 1),
         feature_group_count=2,
         dimension_numbers=("NHWC", "HWIO", "NHWC"),
     ),
+    # Depthwise, NHWC, stride 2, SAME on size 6 with a 3-wide window: out 3,
+    # total pad (3-1)*2+3-6 = 1 -> (0, 1).
     _conv_case(
-        "conv2d_nhwc_depthwise",
-        (2, 5, 5, 3),
+        "conv2d_nhwc_depthwise_same_stride",
+        (2, 6, 6, 3),
         (3, 3, 1, 6),
         bias=False,
-        expected_padding=((1, 1), (1, 1)),
-        padding=((1, 1), (1, 1)),
+        expected_padding=((0, 1), (0, 1)),
+        window_strides=(2, 2),
+        padding="SAME",
         feature_group_count=3,
         dimension_numbers=("NHWC", "HWIO", "NHWC"),
     ),
@@ -265,6 +249,24 @@ ALL_CASES = DENSE_CASES + CONV_CASES + SCALE_AND_SHIFT_CASES + GENERIC_CASES
 case_params = pytest.mark.parametrize("case", ALL_CASES, ids=lambda c: c.name)
 
 
+def _case(name: str) -> Case:
+    (case,) = [c for c in ALL_CASES if c.name == name]
+    return case
+
+
+# Every register_* function, and convolutions of each dimensionality, under every
+# transformation; the other convolution variants (which differ only in static
+# metadata) are checked eagerly and under jit. This keeps the suite fast.
+TRANSFORM_CASES = [
+    c
+    for c in ALL_CASES
+    if c.tag is not tags.conv
+    or c.name
+    in ("conv1d_default_same_stride", "conv2d_nhwc_grouped_same_rhs_dilation", "conv3d_ndhwc_same")
+]
+transform_case_params = pytest.mark.parametrize("case", TRANSFORM_CASES, ids=lambda c: c.name)
+
+
 # ----------------------------------------------------------------------------- helpers
 
 
@@ -328,58 +330,95 @@ def _stack(case: Case, n: int) -> tuple[dict, np.ndarray]:
 
 
 @case_params
-def test_tagged_value_and_grads_match_untagged(case):
+def test_tagged_value_matches_untagged(case):
     params, x = case.data()
-    (f, f_tag), (loss, loss_tag) = _fns(case)
+    (f, f_tag), _ = _fns(case)
     y, y_tag = f(params, x), f_tag(params, x)
+    assert y_tag.shape == y.shape and y_tag.dtype == y.dtype
     np.testing.assert_array_equal(np.asarray(y_tag), np.asarray(y))
+
+
+#: One case per tag for the (slow, op-by-op) eager gradient check; all cases are
+#: differentiated under jit below.
+EAGER_GRAD_CASES = [
+    "dense_x3d_bias",
+    "conv2d_nhwc_grouped_same_rhs_dilation",
+    "scale_and_shift_haiku_bn",
+    "generic",
+]
+
+
+@pytest.mark.parametrize("name", EAGER_GRAD_CASES)
+def test_tagged_grads_match_untagged(name):
+    case = _case(name)
+    params, x = case.data()
+    _, (loss, loss_tag) = _fns(case)
     grad = jax.grad(loss, argnums=(0, 1))
     _assert_tree_close(jax.grad(loss_tag, argnums=(0, 1))(params, x), grad(params, x))
+
+
+# The transformed tests evaluate the untagged and the tagged function in one
+# compiled program (one compilation per test keeps the suite fast); the tag is
+# still traced, batched, differentiated and lowered through its own rules.
+
+
+def _both(fn, fn_tag):
+    return lambda p, x: (fn(p, x), fn_tag(p, x))
 
 
 @case_params
 def test_tagged_matches_untagged_under_jit(case):
     params, x = case.data()
-    fn, fn_tag = _value_and_grads(case)
-    _assert_tree_close(jax.jit(fn_tag)(params, x), jax.jit(fn)(params, x))
+    expected, got = jax.jit(_both(*_value_and_grads(case)))(params, x)
+    _assert_tree_close(got, expected)
 
 
-@case_params
+@transform_case_params
 def test_tagged_matches_untagged_under_vmap(case):
     params, xs = _stack(case, 3)
-    fn, fn_tag = _value_and_grads(case)
-    vmapped = jax.vmap(fn, in_axes=(None, 0))
-    vmapped_tag = jax.vmap(fn_tag, in_axes=(None, 0))
-    _assert_tree_close(vmapped_tag(params, xs), vmapped(params, xs))
+    batched = jax.vmap(_both(*_value_and_grads(case)), in_axes=(None, 0))
+    expected, got = jax.jit(batched)(params, xs)
+    _assert_tree_close(got, expected)
 
 
-@case_params
+@transform_case_params
 def test_tagged_matches_untagged_under_pmap(case):
     assert jax.local_device_count() == 4
     params, xs = _stack(case, 4)
-    fn, fn_tag = _value_and_grads(case)
-    pmapped = jax.pmap(fn, in_axes=(None, 0))
-    pmapped_tag = jax.pmap(fn_tag, in_axes=(None, 0))
-    _assert_tree_close(pmapped_tag(params, xs), pmapped(params, xs))
+    expected, got = jax.pmap(_both(*_value_and_grads(case)), in_axes=(None, 0))(params, xs)
+    _assert_tree_close(got, expected)
 
 
-@case_params
-def test_tagged_matches_untagged_forward_mode_and_hessian(case):
+@transform_case_params
+def test_tagged_matches_untagged_under_hessian(case):
+    """Forward-over-reverse: ``jax.hessian`` is ``jacfwd(jacrev(loss))``."""
     params, x = case.data()
-    (f, f_tag), (loss, loss_tag) = _fns(case)
+    _, (loss, loss_tag) = _fns(case)
+    expected, got = jax.jit(_both(jax.hessian(loss), jax.hessian(loss_tag)))(params, x)
+    _assert_tree_close(got, expected, rtol=1e-5, atol=1e-5)
 
-    # Forward mode (Jacobian of the output w.r.t. the parameters) and
-    # forward-over-reverse (Hessian of a scalar loss w.r.t. the parameters).
-    # Jitted only to keep the test fast; the transformations are traced all the same.
-    def derivatives(out_fn, loss_fn):
-        return jax.jit(lambda p, x: (jax.jacfwd(out_fn)(p, x), jax.hessian(loss_fn)(p, x)))
 
-    _assert_tree_close(
-        derivatives(f_tag, loss_tag)(params, x),
-        derivatives(f, loss)(params, x),
-        rtol=1e-5,
-        atol=1e-5,
-    )
+@pytest.mark.parametrize(
+    "case",
+    [_case("dense_x3d_bias"), _case("conv1d_default_same_stride"), _case("generic")],
+    ids=lambda c: c.name,
+)
+def test_tagged_matches_untagged_under_jacfwd(case):
+    """Forward mode: Jacobian of the layer output w.r.t. parameters and inputs."""
+    params, x = case.data()
+    (f, f_tag), _ = _fns(case)
+    jac, jac_tag = (jax.jacfwd(fn, argnums=(0, 1)) for fn in (f, f_tag))
+    expected, got = jax.jit(_both(jac, jac_tag))(params, x)
+    _assert_tree_close(got, expected)
+
+
+def test_tagged_matches_untagged_under_eager_vmap():
+    """One case with vmap outside of jit (op-by-op evaluation of the batched tag)."""
+    case = _case("dense_x3d_bias")
+    params, xs = _stack(case, 3)
+    fn, fn_tag = _value_and_grads(case)
+    expected = jax.vmap(fn, in_axes=(None, 0))(params, xs)
+    _assert_tree_close(jax.vmap(fn_tag, in_axes=(None, 0))(params, xs), expected)
 
 
 # ----------------------------------------------------------------------------- jaxpr form
@@ -407,10 +446,10 @@ def test_tag_appears_in_jaxpr(case):
     assert inputs == (() if case.tag is tags.generic else (var_of["x"],))
 
 
-@case_params
+@pytest.mark.parametrize(
+    "case", [c for c in ALL_CASES if c.tag.compute is not None], ids=lambda c: c.name
+)
 def test_tag_params_reproduce_layer_with_compute(case):
-    if case.tag.compute is None:
-        pytest.skip("the generic tag has no compute function")
     params, x = case.data()
     (f, f_tag), _ = _fns(case)
     (eqn,) = _tag_eqns(jax.make_jaxpr(f_tag)(params, x).jaxpr, case.tag)
@@ -422,7 +461,7 @@ def test_tag_params_reproduce_layer_with_compute(case):
 
 @pytest.mark.parametrize("transform", ["vmap", "grad", "jit"])
 def test_tag_survives_transformations_in_jaxpr(transform):
-    case = DENSE_CASES[1]
+    case = _case("dense_x2d_bias")
     params, xs = _stack(case, 2)
     (_, f_tag), (_, loss_tag) = _fns(case)
     if transform == "vmap":
@@ -435,7 +474,7 @@ def test_tag_survives_transformations_in_jaxpr(transform):
 
 
 def test_conv_padding_in_jaxpr_is_explicit_pairs():
-    case = CONV_CASES[2]  # 2-D NHWC, 'SAME'
+    case = _case("conv2d_nhwc_depthwise_same_stride")
     params, x = case.data()
     (_, f_tag), _ = _fns(case)
     (eqn,) = _tag_eqns(jax.make_jaxpr(f_tag)(params, x).jaxpr, tags.conv)
@@ -447,9 +486,14 @@ def test_conv_padding_in_jaxpr_is_explicit_pairs():
 
 
 def test_register_conv2d_matches_register_conv():
-    case = CONV_CASES[2]
+    case = _case("conv2d_nhwc_depthwise_same_stride")
     params, x = case.data()
-    kw = dict(window_strides=(2, 2), padding="SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    kw = dict(
+        window_strides=(2, 2),
+        padding="SAME",
+        feature_group_count=3,
+        dimension_numbers=("NHWC", "HWIO", "NHWC"),
+    )
     y = jax.lax.conv_general_dilated(x, params["w"], **kw)
 
     def tagged(w):
@@ -518,15 +562,18 @@ def test_register_dense_rejects_3d_weight():
 
 
 def test_register_dense_rejects_mismatched_x():
-    x, w, _ = _dense_data()
-    with pytest.raises(ValueError, match=r"register_dense: x has shape \(4, 3\), expected \[\.\.\., 5\]"):
+    x, _, _ = _dense_data()
+    with pytest.raises(
+        ValueError, match=r"register_dense: x has shape \(4, 3\), expected \[\.\.\., 5\]"
+    ):
         tags.register_dense(np.ones((4, 2), np.float32), x, np.ones((5, 2), np.float32))
-    del w
 
 
 def test_register_dense_rejects_wrong_y_shape():
     x, w, _ = _dense_data()
-    with pytest.raises(ValueError, match=r"register_dense: y has shape \(4, 3\), expected \(4, 2\)"):
+    with pytest.raises(
+        ValueError, match=r"register_dense: y has shape \(4, 3\), expected \(4, 2\)"
+    ):
         tags.register_dense(np.ones((4, 3), np.float32), x, w)
 
 
@@ -667,8 +714,9 @@ def test_custom_layer_tag_in_jaxpr_and_differentiable():
 
     (eqn,) = _tag_eqns(jax.make_jaxpr(f)(w, x).jaxpr, tag)
     assert eqn.params == {"kind": "mine"} and len(eqn.invars) == 3
-    _assert_tree_close(jax.jit(jax.grad(f, argnums=(0, 1)))(w, x), jax.grad(g, argnums=(0, 1))(w, x))
-    _assert_tree_close(jax.hessian(f)(w, x), jax.hessian(g)(w, x), rtol=1e-5, atol=1e-5)
+    _assert_tree_close(jax.grad(f, argnums=(0, 1))(w, x), jax.grad(g, argnums=(0, 1))(w, x))
+    hessians = jax.jit(lambda w, x: (jax.hessian(f)(w, x), jax.hessian(g)(w, x)))
+    _assert_tree_close(*hessians(w, x), rtol=1e-5, atol=1e-5)
 
 
 def test_custom_layer_tag_name_must_be_unique():

@@ -1,0 +1,279 @@
+"""Small hand-tagged models and independent reference computations for the tests.
+
+Parameters of the MLPs are lists of ``(w, b)`` tuples, so their pytree-leaf
+order is ``w0, b0, w1, b1, ...`` (the order of `jax.flatten_util.ravel_pytree`).
+The untagged forward passes here are written out explicitly so that reference
+values never go through kfacx.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.flatten_util import ravel_pytree
+
+import kfacx
+
+LOSS_KINDS = ("softmax", "sigmoid", "squared")
+
+
+def normal(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> jax.Array:
+    return jnp.asarray(scale * rng.standard_normal(shape), jnp.float32)
+
+
+def init_mlp(sizes: Sequence[int], seed: int = 0) -> list[tuple[jax.Array, jax.Array]]:
+    """Random ``(w, b)`` per layer for layer widths ``sizes``."""
+    rng = np.random.default_rng(seed)
+    return [
+        (normal(rng, d_in, d_out, scale=1.0 / np.sqrt(d_in)), normal(rng, d_out, scale=0.5))
+        for d_in, d_out in zip(sizes[:-1], sizes[1:], strict=True)
+    ]
+
+
+def add_bias(y: jax.Array, b: jax.Array) -> jax.Array:
+    """``y + b`` with an explicit broadcast of ``b`` over the leading axes."""
+    return y + b.reshape((1,) * (y.ndim - 1) + (-1,))
+
+
+def dense(x: jax.Array, w: jax.Array, b: jax.Array) -> jax.Array:
+    return add_bias(jnp.tensordot(x, w, axes=1), b)
+
+
+def mlp_outputs(params, x, perturbations=None) -> list[jax.Array]:
+    """Untagged forward pass; returns every layer's (pre-activation) output.
+
+    ``perturbations[i]`` (if given) is added to layer ``i``'s output.
+    """
+    outs, h = [], x
+    for i, (w, b) in enumerate(params):
+        y = dense(h, w, b)
+        if perturbations is not None:
+            y = y + perturbations[i]
+        outs.append(y)
+        h = jnp.tanh(y)
+    return outs
+
+
+def mlp_logits(params, x) -> jax.Array:
+    return mlp_outputs(params, x)[-1]
+
+
+def register_loss(kind: str, z: jax.Array, t: jax.Array, weight: float) -> jax.Array:
+    if kind == "softmax":
+        return kfacx.register_softmax_cross_entropy_loss(z, t, weight=weight)
+    if kind == "sigmoid":
+        return kfacx.register_sigmoid_cross_entropy_loss(z, t, weight=weight)
+    if kind == "squared":
+        return kfacx.register_squared_error_loss(z, t, weight=weight)
+    raise ValueError(kind)
+
+
+def make_tagged_mlp(kind: str, weight: float = 1.0):
+    """A tagged loss function ``f(params, (x, t))`` for a tanh MLP."""
+
+    def loss_fn(params, batch):
+        x, t = batch
+        h = x
+        for i, (w, b) in enumerate(params):
+            y = kfacx.register_dense(dense(h, w, b), h, w, b)
+            h = jnp.tanh(y) if i < len(params) - 1 else y
+        register_loss(kind, h, t, weight)
+        return per_example_loss_sum(kind, h, t, weight) / x.shape[0]
+
+    return loss_fn
+
+
+def per_example_loss_sum(kind: str, z: jax.Array, t: jax.Array, weight: float) -> jax.Array:
+    """``weight * sum_b l_b(z_b)`` written out independently of kfacx."""
+    if kind == "softmax":
+        log_p = jax.nn.log_softmax(z, axis=-1)
+        return -weight * jnp.sum(jnp.take_along_axis(log_p, t[..., None], axis=-1))
+    if kind == "sigmoid":
+        return weight * jnp.sum(jnp.logaddexp(0.0, z) - z * t)
+    if kind == "squared":
+        return weight * jnp.sum(jnp.square(z - t))
+    raise ValueError(kind)
+
+
+def make_targets(kind: str, rng: np.random.Generator, shape: Sequence[int]) -> jax.Array:
+    """Targets for logits of shape ``shape``."""
+    if kind == "softmax":
+        return jnp.asarray(rng.integers(0, shape[-1], size=shape[:-1]), jnp.int32)
+    if kind == "sigmoid":
+        return jnp.asarray(rng.integers(0, 2, size=shape), jnp.float32)
+    return normal(rng, *shape)
+
+
+def make_batch(kind: str, sizes: Sequence[int], batch: int, seed: int = 1, seq: int | None = None):
+    rng = np.random.default_rng(seed)
+    lead = (batch,) if seq is None else (batch, seq)
+    x = normal(rng, *lead, sizes[0])
+    return x, make_targets(kind, rng, lead + (sizes[-1],))
+
+
+def output_hessian(kind: str, z: np.ndarray, weight: float) -> np.ndarray:
+    """Explicit ``weight * H`` of one example's loss w.r.t. its logits ``z[K]``."""
+    z = np.asarray(z, np.float64)
+    if kind == "softmax":
+        p = np.exp(z - z.max())
+        p /= p.sum()
+        return weight * (np.diag(p) - np.outer(p, p))
+    if kind == "sigmoid":
+        p = 1.0 / (1.0 + np.exp(-z))
+        return weight * np.diag(p * (1 - p))
+    if kind == "squared":
+        return weight * 2.0 * np.eye(z.shape[-1])
+    raise ValueError(kind)
+
+
+@functools.partial(jax.jit, static_argnames=("kind",))
+def _autodiff_output_hessian(z, t, weight, *, kind):
+    return jax.hessian(lambda z_: per_example_loss_sum(kind, z_[None], t[None], weight))(z)
+
+
+def autodiff_output_hessian(kind: str, z: jax.Array, t: jax.Array, weight: float) -> np.ndarray:
+    """``weight * H`` of one example's loss by `jax.hessian` (cross-check)."""
+    return np.asarray(_autodiff_output_hessian(z, t, weight, kind=kind), np.float64)
+
+
+@jax.jit
+def _logits_and_jacobian(params, x_row):
+    """Logits ``[K]`` of one example and their Jacobian w.r.t. every parameter leaf."""
+    return mlp_logits(params, x_row)[0], jax.jacfwd(lambda p: mlp_logits(p, x_row)[0])(params)
+
+
+def logits_jacobian(params, x_row: jax.Array) -> tuple[np.ndarray, np.ndarray]:
+    """``(z, J)`` with ``J = dz/dparams`` ``[K, P]`` by `jax.jacfwd` (ravel_pytree order)."""
+    z, jac = _logits_and_jacobian(params, x_row)
+    leaves = [np.asarray(j, np.float64).reshape(z.shape[0], -1) for j in jax.tree.leaves(jac)]
+    return np.asarray(z, np.float64), np.concatenate(leaves, axis=1)
+
+
+def exact_ggn(kind: str, params, x: jax.Array, weight: float) -> np.ndarray:
+    """``(1/B) sum_b J_b^T (w H_b) J_b`` over all parameters (ravel_pytree order)."""
+    total = 0.0
+    for b in range(x.shape[0]):
+        z, jac = logits_jacobian(params, x[b : b + 1])
+        total = total + jac.T @ output_hessian(kind, z, weight) @ jac
+    return total / x.shape[0]
+
+
+@functools.partial(jax.jit, static_argnames=("kind",))
+def _per_example_param_grad(params, x_b, t_b, *, kind):
+    return jax.grad(lambda p: per_example_loss_sum(kind, mlp_logits(p, x_b[None]), t_b[None], 1.0))(
+        params
+    )
+
+
+def per_example_param_grad(kind: str, params, x_b: jax.Array, t_b: jax.Array) -> np.ndarray:
+    """Gradient of one example's unweighted loss w.r.t. the ravelled parameters."""
+    grad = _per_example_param_grad(params, x_b, t_b, kind=kind)
+    return np.asarray(ravel_pytree(grad)[0], np.float64)
+
+
+def exact_fisher(kind: str, params, x: jax.Array, weight: float) -> np.ndarray:
+    """``weight * E_{t ~ p(.|x)} [g g^T]`` by enumeration (B = 1), ravel_pytree order."""
+    assert x.shape[0] == 1
+    z = np.asarray(mlp_logits(params, x)[0], np.float64)
+    k = z.shape[-1]
+    if kind == "softmax":
+        p = np.exp(z - z.max())
+        p /= p.sum()
+        outcomes = [(p[c], jnp.asarray(c, jnp.int32)) for c in range(k)]
+    elif kind == "sigmoid":
+        assert k <= 3
+        q = 1.0 / (1.0 + np.exp(-z))
+        outcomes = []
+        for bits in itertools.product((0.0, 1.0), repeat=k):
+            bits = np.asarray(bits)
+            prob = float(np.prod(np.where(bits == 1.0, q, 1 - q)))
+            outcomes.append((prob, jnp.asarray(bits, jnp.float32)))
+    else:
+        raise ValueError(kind)
+    fisher = 0.0
+    for prob, t in outcomes:
+        g = per_example_param_grad(kind, params, x[0], t)
+        fisher = fisher + prob * np.outer(g, g)
+    return weight * fisher
+
+
+def squared_error_fisher(params, x: jax.Array, weight: float) -> np.ndarray:
+    """Fisher of the squared error (Gaussian, variance 0.5): ``2 w J^T J`` (B = 1)."""
+    _, jac = logits_jacobian(params, x)
+    return 2.0 * weight * jac.T @ jac
+
+
+def leaf_slices(params) -> list[slice]:
+    """Slices of every parameter leaf in the ravelled vector."""
+    sizes = [int(np.prod(leaf.shape)) for leaf in jax.tree_util.tree_leaves(params)]
+    offsets = np.cumsum([0] + sizes)
+    return [slice(int(a), int(b)) for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
+
+
+def mlp_layer_index(params) -> list[np.ndarray]:
+    """Ravelled indices of each layer's (w, b) (contiguous for the list-of-tuples MLPs)."""
+    slices = leaf_slices(params)
+    return [np.arange(slices[2 * i].start, slices[2 * i + 1].stop) for i in range(len(params))]
+
+
+def block_mask(index_sets: Sequence[np.ndarray], dim: int) -> np.ndarray:
+    """Boolean mask of the block-diagonal pattern given by ``index_sets``."""
+    mask = np.zeros((dim, dim), bool)
+    for idx in index_sets:
+        mask[np.ix_(idx, idx)] = True
+    return mask
+
+
+def rest_of_network(params, layer: int, y: jax.Array) -> jax.Array:
+    """The logits as a function of layer ``layer``'s output ``y`` (one row)."""
+    h = y
+    for w, b in params[layer + 1 :]:
+        h = dense(jnp.tanh(h), w, b)
+    return h
+
+
+@functools.partial(jax.jit, static_argnames=("layer",))
+def _rest_jacobians(params, ys, *, layer):
+    """Per row ``r``: the Jacobian of the logits w.r.t. layer ``layer``'s output ``ys[r]``."""
+    return jax.vmap(jax.jacfwd(lambda y: rest_of_network(params, layer, y)))(ys)
+
+
+def hand_kfac_factors(kind: str, params, x: jax.Array, weight: float):
+    """Per layer ``(A, G)`` computed by hand (float64).
+
+    ``A = sum_rows [x, 1][x, 1]^T / num_rows`` and
+    ``G = (1/B) sum_rows J_r^T (w H_r) J_r`` with ``J_r`` the Jacobian of the
+    row's logits w.r.t. the row's layer output (rows: examples, or example x
+    position for sequence inputs, whose positions are independent).
+    """
+    outs = mlp_outputs(params, x)
+    inputs = [x] + [jnp.tanh(o) for o in outs[:-1]]
+    batch = x.shape[0]
+    logits = np.asarray(outs[-1]).reshape(-1, outs[-1].shape[-1])
+    factors = []
+    for layer, (w, _) in enumerate(params):
+        rows = np.asarray(inputs[layer], np.float64).reshape(-1, w.shape[0])
+        rows = np.concatenate([rows, np.ones((rows.shape[0], 1))], axis=1)
+        a = rows.T @ rows / rows.shape[0]
+        ys = outs[layer].reshape(-1, w.shape[1])
+        jacs = np.asarray(_rest_jacobians(params, ys, layer=layer), np.float64)
+        g = np.zeros((w.shape[1], w.shape[1]))
+        for r in range(ys.shape[0]):
+            g += jacs[r].T @ output_hessian(kind, logits[r], weight) @ jacs[r]
+        factors.append((a, g / batch))
+    return factors
+
+
+def block_diag(*blocks: np.ndarray) -> np.ndarray:
+    n = sum(b.shape[0] for b in blocks)
+    out = np.zeros((n, n))
+    i = 0
+    for b in blocks:
+        out[i : i + b.shape[0], i : i + b.shape[0]] = b
+        i += b.shape[0]
+    return out
