@@ -694,3 +694,59 @@ def test_params_to_blocks_round_trip():
         jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(params), strict=True
     ):
         np.testing.assert_array_equal(a, b)
+
+
+# ----------------------------------------------------------------------------- multi-axis dense
+
+
+def _attention_like_loss(params, batch):
+    x, labels = batch
+    w1, b1, w2 = params["w1"], params["b1"], params["w2"]
+    dn1 = (((2,), (0,)), ((), ()))
+    h = jnp.einsum("btd,dhk->bthk", x, w1) + jnp.broadcast_to(b1, (*x.shape[:2], *b1.shape))
+    h = jnp.tanh(kfacx.register_dense(h, x, w1, b1, dimension_numbers=dn1))
+    logits = jnp.einsum("bthk,hko->bto", h, w2)
+    logits = kfacx.register_dense(logits, h, w2, dimension_numbers=(((2, 3), (0, 1)), ((), ())))
+    logits = kfacx.register_softmax_cross_entropy_loss(logits, labels)
+    log_p = jax.nn.log_softmax(logits)
+    return -jnp.mean(jnp.take_along_axis(log_p, labels[..., None], axis=-1))
+
+
+def test_multi_axis_dense_blocks_equal_exact_ggn_blocks():
+    """einsum('btd,dhk->bthk') and einsum('bthk,hko->bto') layers: the Kronecker blocks
+    of ggn_exact equal the exact Gauss-Newton blocks for one example and position."""
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    params = {
+        "w1": 0.7 * jax.random.normal(keys[0], (4, 2, 3)),
+        "b1": 0.1 * jax.random.normal(keys[1], (2, 3)),
+        "w2": 0.7 * jax.random.normal(keys[2], (2, 3, 5)),
+    }
+    x = jax.random.normal(keys[3], (1, 1, 4))
+    labels = jnp.array([[2]])
+    est = kfacx.BlockDiagonalCurvature(_attention_like_loss)
+    state = est.init(jax.random.PRNGKey(1), (params, (x, labels)))
+    state = est.update_curvature_matrix_estimate(
+        state, 0.0, 1.0, None, jax.random.PRNGKey(2), (params, (x, labels)), "ggn_exact"
+    )
+    got = np.asarray(est.to_dense_matrix(state))
+
+    flat, unravel = ravel_pytree(params)
+
+    def logits_fn(f):
+        p = unravel(f)
+        h = jnp.einsum("btd,dhk->bthk", x, p["w1"])
+        h = jnp.tanh(h + jnp.broadcast_to(p["b1"], h.shape))
+        return jnp.einsum("bthk,hko->bto", h, p["w2"]).reshape(-1)
+
+    jac = np.asarray(jax.jacfwd(logits_fn)(flat), np.float64)
+    prob = np.asarray(jax.nn.softmax(logits_fn(flat)), np.float64)
+    exact = jac.T @ (np.diag(prob) - np.outer(prob, prob)) @ jac
+    # Leaf order (sorted dict keys): b1, w1, w2; the first block is (w1, b1).
+    sizes = {"b1": 6, "w1": 24, "w2": 30}
+    offsets = {"b1": 0, "w1": 6, "w2": 30}
+    first = np.r_[offsets["b1"] : 6, offsets["w1"] : 30]
+    second = np.arange(30, 60)
+    for idx in (first, second):
+        np.testing.assert_allclose(got[np.ix_(idx, idx)], exact[np.ix_(idx, idx)], atol=1e-5)
+    np.testing.assert_allclose(got[np.ix_(first, second)], 0.0)
+    assert sum(sizes.values()) == got.shape[0]

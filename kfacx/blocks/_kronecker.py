@@ -213,24 +213,37 @@ def _second_moment(rows: jax.Array, normalizer: Any) -> jax.Array:
 
 
 class DenseTwoKroneckerFactored(TwoKroneckerFactored):
-    """K-FAC block of a dense layer ``y = x @ w + b`` (any leading batch axes).
+    """K-FAC block of a dense layer ``y = dot_general(x, w) + b``.
+
+    The weight's contracted axes form the input factor and its free axes the
+    output factor, so ``x @ w``, ``x @ w.T`` and multi-axis contractions such as
+    ``einsum('btd,dhk->bthk')`` are all served exactly; every free axis of ``x``
+    (batch, sequence...) is a row of the statistics.
 
     Raises:
-      ValueError: if the layer's parameters are not ``(w[d_in, d_out], [b[d_out]])``.
+      ValueError: if the parameters do not fit the tag's contraction.
     """
 
     def __init__(self, layer: LayerInfo):
         super().__init__(layer)
         shapes = layer.parameter_shapes
-        ok = len(shapes) in (1, 2) and len(shapes[0]) == 2
+        w_shape = shapes[0] if shapes else ()
+        # Without metadata: x's last axis contracts with w's first (``x @ w``).
+        dnums = layer.meta.get("dimension_numbers", (((-1,), (0,)), ((), ())))
+        (self.x_axes, self.w_axes), _ = dnums
+        self.w_free = tuple(i for i in range(len(w_shape)) if i not in self.w_axes)
+        out_shape = tuple(w_shape[i] for i in self.w_free)
+        ok = len(shapes) in (1, 2) and len(w_shape) >= 2 and bool(self.w_free)
         if ok and len(shapes) == 2:
-            ok = shapes[1] == (shapes[0][1],)
+            ok = shapes[1] == out_shape
         if not ok:
             raise ValueError(
-                f"DenseTwoKroneckerFactored({layer.name}): expected parameters (w[d_in, d_out]) or "
-                f"(w, b[d_out]), got shapes {shapes}."
+                f"DenseTwoKroneckerFactored({layer.name}): expected parameters (w) or (w, b) with "
+                f"b shaped like w's output axes, got shapes {shapes} for contraction {dnums}."
             )
         self.has_bias = len(shapes) == 2
+        self._in = math.prod(w_shape[i] for i in self.w_axes)
+        self._out = math.prod(out_shape)
 
     @property
     def num_groups(self):
@@ -238,28 +251,36 @@ class DenseTwoKroneckerFactored(TwoKroneckerFactored):
 
     @property
     def input_size(self):
-        return self.parameters_shapes[0][0] + int(self.has_bias)
+        return self._in + int(self.has_bias)
 
     @property
     def output_size(self):
-        return self.parameters_shapes[0][1]
+        return self._out
 
     def params_to_matrix(self, params):
         w, *b = params
-        m = jnp.concatenate([w, b[0][None]], axis=0) if b else jnp.asarray(w)
+        m = jnp.transpose(w, self.w_axes + self.w_free).reshape(self._in, self._out)
+        if b:
+            m = jnp.concatenate([m, b[0].reshape(1, self._out)], axis=0)
         return m[None]
 
     def matrix_to_params(self, matrix):
+        w_shape = self.parameters_shapes[0]
         m = matrix[0]
-        return (m[:-1], m[-1]) if self.has_bias else (m,)
+        order = self.w_axes + self.w_free
+        w = m[: self._in].reshape(tuple(w_shape[i] for i in order))
+        w = jnp.transpose(w, np.argsort(order))
+        return (w, m[-1].reshape(self.parameters_shapes[1])) if self.has_bias else (w,)
 
     def compute_statistics(self, estimation_data: Mapping[str, Sequence[jax.Array]], batch_size):
         (x,) = estimation_data["inputs"]
         (dy,) = estimation_data["outputs_tangent"]
-        x = x.reshape(-1, 1, x.shape[-1]).astype(self.dtype)
+        x_axes = tuple(a % x.ndim for a in self.x_axes)
+        x = jnp.moveaxis(x, x_axes, tuple(range(x.ndim - len(x_axes), x.ndim)))
+        x = x.reshape(-1, 1, self._in).astype(self.dtype)
         if self.has_bias:
             x = _with_ones(x)
-        dy = dy.reshape(-1, 1, dy.shape[-1]).astype(self.dtype)
+        dy = dy.reshape(-1, 1, self._out).astype(self.dtype)
         return _second_moment(x, x.shape[0]), _second_moment(dy, batch_size)
 
 

@@ -93,27 +93,70 @@ def _shape_error(tag: str, what: str, got: Any, want: str, fix: str) -> ValueErr
 # ----------------------------------------------------------------------------- dense
 
 
-def _dense_compute(inputs, params, **meta):
-    del meta
+def _dense_compute(inputs, params, *, dimension_numbers):
     (x,) = inputs
     w, *b = params
-    y = jnp.tensordot(x, w, axes=1)
+    y = jax.lax.dot_general(x, w, dimension_numbers)
     return (y + jnp.broadcast_to(b[0], y.shape),) if b else (y,)
 
 
 dense = LayerTag("dense_tag", num_inputs=1, num_outputs=1, compute=_dense_compute)
 
 
+def dense_meta(
+    x_shape: Sequence[int], w_shape: Sequence[int], dimension_numbers: Any = None
+) -> dict[str, Any]:
+    """Normalises the contraction of a dense layer to static tag metadata.
+
+    ``dimension_numbers`` is `jax.lax.dot_general`'s
+    ``((x_contracting, w_contracting), ((), ()))``; the default contracts the
+    last axis of ``x`` with the first axis of ``w``.
+
+    Raises:
+      ValueError: for batch dimensions or mismatched contracting axes.
+    """
+    if dimension_numbers is None:
+        dimension_numbers = (((len(x_shape) - 1,), (0,)), ((), ()))
+    (lc, rc), (lb, rb) = dimension_numbers
+    lc, rc = tuple(int(d) % len(x_shape) for d in lc), tuple(int(d) % len(w_shape) for d in rc)
+    if lb or rb:
+        raise ValueError(
+            f"register_dense: dimension_numbers={dimension_numbers} has batch dimensions; a dense "
+            "layer's weight is shared by all examples. Use a custom tag for batched weights."
+        )
+    sizes_x, sizes_w = [x_shape[a] for a in lc], [w_shape[b] for b in rc]
+    if not lc or sizes_x != sizes_w:
+        raise ValueError(
+            f"register_dense: cannot contract axes {lc} of x {tuple(x_shape)} with axes {rc} of "
+            f"w {tuple(w_shape)}. The contracted sizes must be equal (default: last axis of x "
+            "with first axis of w)."
+        )
+    if len(rc) == len(w_shape):
+        raise ValueError(f"register_dense: w {tuple(w_shape)} has no output axis left.")
+    return dict(dimension_numbers=((lc, rc), ((), ())))
+
+
 def register_dense(
-    y: jax.Array, x: jax.Array, w: jax.Array, b: jax.Array | None = None
+    y: jax.Array,
+    x: jax.Array,
+    w: jax.Array,
+    b: jax.Array | None = None,
+    dimension_numbers: Any = None,
 ) -> jax.Array:
-    """Marks a dense layer ``y = x @ w + b`` and returns ``y`` unchanged.
+    """Marks a dense layer ``y = dot_general(x, w) + b`` and returns ``y`` unchanged.
+
+    The common case is ``y = x @ w + b`` with ``x: [..., d_in]``, ``w: [d_in, d_out]``
+    and ``b: [d_out]``. Multi-axis contractions (e.g. attention projections
+    ``einsum('btd,dhk->bthk', x, w)``, or ``x @ w.T``) are described by
+    ``dimension_numbers``.
 
     Args:
-      y: the layer output, shape ``[..., d_out]``.
-      x: the layer input, shape ``[..., d_in]`` (any leading batch dimensions).
-      w: the weight, shape ``[d_in, d_out]``.
-      b: optional bias, shape ``[d_out]``.
+      y: the layer output, shape ``x``'s free axes followed by ``w``'s free axes.
+      x: the layer input (leading axes: batch, and e.g. sequence positions).
+      w: the weight.
+      b: optional bias, shaped like ``w``'s free (output) axes.
+      dimension_numbers: `jax.lax.dot_general` dimension numbers
+        ``((x_axes, w_axes), ((), ()))``; default ``(((x.ndim - 1,), (0,)), ((), ()))``.
 
     Returns:
       ``y``, tagged.
@@ -124,36 +167,22 @@ def register_dense(
     Example::
 
       y = kfacx.register_dense(x @ w + b, x, w, b)
+      y = kfacx.register_dense(x @ v.T, x, v, dimension_numbers=(((1,), (1,)), ((), ())))
     """
-    if w.ndim != 2:
+    meta = dense_meta(x.shape, w.shape, dimension_numbers)
+    (lc, rc), _ = meta["dimension_numbers"]
+    w_free = tuple(d for i, d in enumerate(w.shape) if i not in rc)
+    x_free = tuple(d for i, d in enumerate(x.shape) if i not in lc)
+    if tuple(y.shape) != x_free + w_free:
         raise _shape_error(
-            "register_dense",
-            "w",
-            w.shape,
-            "[d_in, d_out]",
-            "Reshape multi-axis weights to 2-D, or use a custom tag.",
+            "register_dense", "y", y.shape, f"{x_free + w_free}", "Pass the layer output as y."
         )
-    d_in, d_out = w.shape
-    if x.ndim < 1 or x.shape[-1] != d_in:
+    if b is not None and tuple(b.shape) != w_free:
         raise _shape_error(
-            "register_dense",
-            "x",
-            x.shape,
-            f"[..., {d_in}]",
-            "The last axis of x must be contracted with the first axis of w.",
+            "register_dense", "b", b.shape, f"{w_free}", "The bias has the weight's output axes."
         )
-    if tuple(y.shape) != tuple(x.shape[:-1]) + (d_out,):
-        raise _shape_error(
-            "register_dense",
-            "y",
-            y.shape,
-            f"{tuple(x.shape[:-1]) + (d_out,)}",
-            "Pass the layer output as y.",
-        )
-    if b is not None and tuple(b.shape) != (d_out,):
-        raise _shape_error("register_dense", "b", b.shape, f"({d_out},)", "")
     operands = (y, x, w) if b is None else (y, x, w, b)
-    return dense.bind(*operands)[0]
+    return dense.bind(*operands, **meta)[0]
 
 
 # ----------------------------------------------------------------------------- conv

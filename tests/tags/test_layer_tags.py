@@ -62,7 +62,37 @@ def _dense_case(x_shape: tuple[int, ...], d_out: int, bias: bool) -> Case:
         return tags.register_dense(y, x, params["w"], b) if tagged else y
 
     name = f"dense_x{len(x_shape)}d_{'bias' if bias else 'nobias'}"
-    return Case(name, tags.dense, make, apply, num_operands=4 if bias else 3)
+    meta = dict(dimension_numbers=(((len(x_shape) - 1,), (0,)), ((), ())))
+    return Case(name, tags.dense, make, apply, num_operands=4 if bias else 3, meta=meta)
+
+
+def _einsum_case(spec: str, x_shape, w_shape, dnums, bias: bool) -> Case:
+    """Multi-axis contractions (attention projections) and transposed weights."""
+    out_axes = tuple(d for i, d in enumerate(w_shape) if i not in dnums[0][1])
+
+    def make(rng):
+        params = {"w": _normal(rng, *w_shape)}
+        if bias:
+            params["b"] = _normal(rng, *out_axes)
+        return params, _normal(rng, *x_shape)
+
+    def apply(params, x, tagged):
+        y = jnp.einsum(spec, x, params["w"])
+        b = params.get("b")
+        if b is not None:
+            y = y + jnp.broadcast_to(b, y.shape)
+        return tags.register_dense(y, x, params["w"], b, dimension_numbers=dnums) if tagged else y
+
+    spec_name = spec.replace(",", "_").replace("->", "_to_")
+    name = f"dense_einsum_{spec_name}_{'bias' if bias else 'nobias'}"
+    return Case(
+        name,
+        tags.dense,
+        make,
+        apply,
+        num_operands=4 if bias else 3,
+        meta=dict(dimension_numbers=dnums),
+    )
 
 
 DENSE_CASES = [
@@ -70,6 +100,11 @@ DENSE_CASES = [
     _dense_case((4, 3), 2, bias=True),
     _dense_case((2, 3, 4), 5, bias=False),
     _dense_case((2, 3, 4), 5, bias=True),
+    _einsum_case("btd,dhk->bthk", (2, 3, 4), (4, 2, 3), (((2,), (0,)), ((), ())), bias=True),
+    _einsum_case(
+        "bthk,hko->bto", (2, 3, 2, 3), (2, 3, 4), (((2, 3), (0, 1)), ((), ())), bias=False
+    ),
+    _einsum_case("bd,od->bo", (4, 3), (5, 3), (((1,), (1,)), ((), ())), bias=True),
 ]
 
 
@@ -554,17 +589,22 @@ def _dense_data():
     return _normal(rng, 4, 3), _normal(rng, 3, 2), _normal(rng, 2)
 
 
-def test_register_dense_rejects_3d_weight():
+def test_register_dense_accepts_multi_axis_weight_and_rejects_batch_dims():
     x, _, _ = _dense_data()
     w = np.ones((3, 2, 2), np.float32)
-    with pytest.raises(ValueError, match=r"register_dense: w has shape \(3, 2, 2\)"):
-        tags.register_dense(np.ones((4, 2, 2), np.float32), x, w)
+    y = tags.register_dense(np.ones((4, 2, 2), np.float32), x, w)
+    assert y.shape == (4, 2, 2)
+    with pytest.raises(ValueError, match=r"register_dense: .*has batch dimensions"):
+        tags.register_dense(
+            np.ones((4, 2), np.float32), x, w, dimension_numbers=(((1,), (0,)), ((0,), (1,)))
+        )
 
 
 def test_register_dense_rejects_mismatched_x():
     x, _, _ = _dense_data()
     with pytest.raises(
-        ValueError, match=r"register_dense: x has shape \(4, 3\), expected \[\.\.\., 5\]"
+        ValueError,
+        match=r"register_dense: cannot contract axes \(1,\) of x \(4, 3\) with axes \(0,\)",
     ):
         tags.register_dense(np.ones((4, 2), np.float32), x, np.ones((5, 2), np.float32))
 
