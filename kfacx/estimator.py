@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kfacx import blocks as blocks_lib
-from kfacx import tracer
+from kfacx import graph_matcher, tracer
 from kfacx.losses import LossFunction
 
 #: Estimation modes understood by `BlockDiagonalCurvature`.
@@ -78,6 +78,11 @@ class BlockDiagonalCurvature:
         modes (their second moments are averaged).
       exact_powers_to_cache, approx_powers_to_cache, cache_eigenvalues: what
         `update_cache` keeps (see `kfacx.blocks.CurvatureBlock.init`).
+      auto_register_tags: find the layers automatically
+        (`kfacx.graph_matcher.auto_register_tags`); layers tagged by hand are
+        kept. With False, every parameter must be tagged by hand.
+      auto_register_kwargs: keyword arguments of `auto_register_tags`
+        (``graph_patterns``, ``on_unmatched``).
 
     Raises:
       ValueError: on an unknown estimation mode or a bad ``num_samples``.
@@ -103,6 +108,8 @@ class BlockDiagonalCurvature:
         exact_powers_to_cache: Sequence[float] = (),
         approx_powers_to_cache: Sequence[float] = (-1,),
         cache_eigenvalues: bool = False,
+        auto_register_tags: bool = True,
+        auto_register_kwargs: Mapping[str, Any] | None = None,
     ):
         if not callable(func):
             raise TypeError(f"BlockDiagonalCurvature: func must be callable, got {func!r}.")
@@ -128,13 +135,46 @@ class BlockDiagonalCurvature:
             tuple(approx_powers_to_cache),
             cache_eigenvalues,
         )
+        self.auto_register_tags = auto_register_tags
+        self.auto_register_kwargs = dict(auto_register_kwargs or {})
+        unknown = set(self.auto_register_kwargs) - {"graph_patterns", "on_unmatched"}
+        if unknown:
+            raise ValueError(
+                f"auto_register_kwargs has unknown keys {sorted(unknown)}; "
+                "expected graph_patterns and/or on_unmatched."
+            )
+        on_unmatched = self.auto_register_kwargs.get("on_unmatched", "warn")
+        if on_unmatched == "full" and "generic_tag" not in (layer_tag_to_block_ctor or {}):
+            self.layer_tag_to_block_ctor["generic_tag"] = blocks_lib.Full
         self._traced: tracer.TracedFunction | None = None
         self._blocks: tuple[blocks_lib.CurvatureBlock, ...] = ()
+        self._tagged: dict[Any, tuple[Callable[..., Any], Any]] = {}
+        self._report: graph_matcher.RegistrationReport | None = None
 
     # ---------------------------------------------------------------- set-up
 
+    def tagged_func(self, func_args: Sequence[Any]) -> Callable[..., Any]:
+        """The function with layer tags (auto-registered for these argument shapes)."""
+        if not self.auto_register_tags:
+            return self.func
+        key = tracer.shape_key(func_args)
+        if key not in self._tagged:
+            self._tagged[key] = graph_matcher.auto_register_tags(
+                self.func, func_args, params_index=self.params_index, **self.auto_register_kwargs
+            )
+        tagged, self._report = self._tagged[key]
+        return tagged
+
+    @property
+    def report(self) -> graph_matcher.RegistrationReport | None:
+        """The registration report of the last set-up (None without auto-registration)."""
+        if self._report is None or not self._blocks:
+            return self._report
+        names = [type(b).__name__ for b in self._blocks]
+        return self._report.with_blocks(lambda e: names[e.layer])
+
     def _set_up(self, func_args: Sequence[Any]) -> tracer.TracedFunction:
-        traced = tracer.trace_cached(self.func, func_args, self.params_index)
+        traced = tracer.trace_cached(self.tagged_func(func_args), func_args, self.params_index)
         if traced is self._traced:
             return traced
         covered = {leaf for leaves in traced.layer_param_leaves for leaf in leaves}
@@ -236,7 +276,8 @@ class BlockDiagonalCurvature:
         """
         mode = _check_mode(estimation_mode or self.default_estimation_mode)
         self._set_up(func_args)
-        losses, vjp = tracer.layer_tags_vjp(self.func, func_args, self.params_index)
+        func = self.tagged_func(func_args)
+        losses, vjp = tracer.layer_tags_vjp(func, func_args, self.params_index)
         if batch_size is None:
             batch_size = losses[0].batch_size
         data = vjp.sampled(self._loss_cotangents(losses, mode, rng))

@@ -39,7 +39,7 @@ def psd_inverse(m: jax.Array, damping: jax.Array) -> jax.Array:
 def psd_matpower(m: jax.Array, power: float, damping: jax.Array) -> jax.Array:
     """``(m + damping I)^power`` through an eigendecomposition."""
     vals, vecs = safe_eigh(m)
-    damping = jnp.asarray(damping, m.dtype)[..., None]
+    damping = jnp.broadcast_to(jnp.asarray(damping, m.dtype)[..., None], vals.shape)
     scaled = vecs * jnp.power(vals + damping, power)[..., None, :]
     return scaled @ jnp.swapaxes(vecs, -1, -2)
 

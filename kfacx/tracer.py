@@ -20,20 +20,8 @@ import jax
 import jax.numpy as jnp
 
 from kfacx import _jaxpr, losses, tags
+from kfacx._paths import path_to_str
 from kfacx.blocks import LayerInfo
-
-
-def path_to_str(path: Sequence[Any]) -> str:
-    """Formats a pytree key path as ``"mlp/~/linear_0/w"``."""
-    parts = []
-    for key in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(key, attr):
-                parts.append(str(getattr(key, attr)))
-                break
-        else:
-            parts.append(str(key))
-    return "/".join(parts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +54,8 @@ class TracedFunction:
         return len(self.param_paths)
 
 
-def _shape_key(func_args: Sequence[Any]) -> tuple:
+def shape_key(func_args: Sequence[Any]) -> tuple:
+    """A hashable key of the arguments' pytree structure, shapes and dtypes."""
     leaves, tree = jax.tree_util.tree_flatten(func_args)
     return tree, tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves)
 
@@ -177,7 +166,7 @@ def trace_cached(
     func: Callable[..., Any], func_args: Sequence[Any], params_index: int = 0
 ) -> TracedFunction:
     """`trace`, memoised on the function and the arguments' shapes and dtypes."""
-    key = (func, params_index, _shape_key(tuple(func_args)))
+    key = (func, params_index, shape_key(tuple(func_args)))
     if key not in _TRACE_CACHE:
         _TRACE_CACHE[key] = trace(func, func_args, params_index)
         while len(_TRACE_CACHE) > _TRACE_CACHE_SIZE:

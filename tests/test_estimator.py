@@ -632,7 +632,7 @@ def test_parameter_without_tag_raises_naming_it():
         logits = kfacx.register_dense(dense(h, w2, b2), h, w2, b2) * params["temperature"]
         return kfacx.register_softmax_cross_entropy_loss(logits, t).sum()
 
-    est = kfacx.BlockDiagonalCurvature(loss_fn)
+    est = kfacx.BlockDiagonalCurvature(loss_fn, auto_register_tags=False)
     with pytest.raises(ValueError, match="temperature"):
         est.init(jax.random.PRNGKey(0), (params, batch))
 

@@ -9,6 +9,7 @@ hold without using the block's own statistics code.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -20,6 +21,13 @@ import numpy as np
 from kfacx import blocks, tags
 
 HIGHEST = jax.lax.Precision.HIGHEST
+CONV = blocks.ConvTwoKroneckerFactored
+
+
+def fast_jit(fun, **kwargs):
+    """`jax.jit` with cheap XLA backend optimisation: the tests compile many small
+    programs once each, so compile time dominates (the computation is the same)."""
+    return jax.jit(fun, compiler_options={"xla_backend_optimization_level": 0}, **kwargs)
 
 
 # ----------------------------------------------------------------------------- cases
@@ -37,7 +45,7 @@ class Case:
       x_shape: shape of the layer input (``None`` for the generic tag).
       meta: the tag's static metadata.
       num_samples: number of output-cotangent samples ``S``.
-      batch_size: batch size for the generic tag (otherwise ``x_shape[0]``).
+      generic_batch_size: batch size for the generic tag (otherwise ``x_shape[0]``).
       zero_inputs / zero_tangents: use all-zero inputs / cotangents.
     """
 
@@ -99,16 +107,24 @@ class Case:
         params = [jax.ShapeDtypeStruct(s, dtype) for s in self.param_shapes]
         if self.is_generic:
             return blocks.LayerInfo.from_params(
-                self.tag.name, params, meta=dict(self.meta), compute=None,
+                self.tag.name,
+                params,
+                meta=dict(self.meta),
+                compute=None,
                 output_shapes=(self.param_shapes[0],),
             )
         return blocks.LayerInfo.from_params(
-            self.tag.name, params, meta=dict(self.meta), compute=self.tag.compute,
-            input_shapes=(self.x_shape,), output_shapes=(self.output_shape(),),
+            self.tag.name,
+            params,
+            meta=dict(self.meta),
+            compute=self.tag.compute,
+            input_shapes=(self.x_shape,),
+            output_shapes=(self.output_shape(),),
         )
 
     def block(self, dtype: Any = jnp.float32) -> blocks.CurvatureBlock:
-        return self.block_cls(self.layer(dtype))
+        """The block (one instance per case and dtype, so jitted helpers are reused)."""
+        return _block(self, jnp.dtype(dtype))
 
     def params(self, seed: int = 0, dtype: Any = jnp.float32) -> tuple[jax.Array, ...]:
         rng = np.random.default_rng(seed)
@@ -139,12 +155,116 @@ class Case:
         return tuple(jnp.asarray(_normal(rng, s), dtype) for s in self.param_shapes)
 
     def fitted(self, seed: int = 0, dtype: Any = jnp.float32, **init_kwargs: Any):
-        """``(block, state, data)`` after one update with ``ema_old=0, ema_new=1``."""
+        """``(block, state, data)`` after one update with ``ema_old=0, ema_new=1``.
+
+        The state's cache has the structure requested by ``init_kwargs`` (not yet
+        computed: call ``update_cache``).
+        """
         block = self.block(dtype)
-        data = self.data(seed, dtype)
-        state = block.init(jax.random.key(0), **init_kwargs)
-        state = block.update_curvature_matrix_estimate(state, data, 0.0, 1.0, self.batch_size)
+        factors, data = _fitted(self, seed, jnp.dtype(dtype))
+        state = block.init(jax.random.key(0), **init_kwargs)._replace(factors=factors)
         return block, state, data
+
+
+@functools.cache
+def _block(case: Case, dtype: np.dtype) -> blocks.CurvatureBlock:
+    return case.block_cls(case.layer(dtype))
+
+
+@functools.cache
+def _fitted(case: Case, seed: int, dtype: np.dtype):
+    block = case.block(dtype)
+    data = case.data(seed, dtype)
+    state = block.init(jax.random.key(0))
+    return jit_update(block)(state, data, 0.0, 1.0, case.batch_size).factors, data
+
+
+@functools.cache
+def jit_update(block: blocks.CurvatureBlock):
+    """``block.update_curvature_matrix_estimate`` jitted (``batch_size`` static).
+
+    Used for speed in setup code; eager and jitted updates are compared in the jit tests.
+    """
+    return fast_jit(block.update_curvature_matrix_estimate, static_argnums=(4,))
+
+
+@functools.cache
+def jit_to_dense(block: blocks.CurvatureBlock):
+    """``block.to_dense_matrix`` jitted (compared with eager calls in the jit tests)."""
+    return fast_jit(block.to_dense_matrix)
+
+
+@functools.cache
+def jit_statistics(block: blocks.CurvatureBlock):
+    """``block.compute_statistics`` jitted (``batch_size`` static)."""
+    return fast_jit(block.compute_statistics, static_argnums=(1,))
+
+
+# (power, exact_power, use_cached) of the products checked for every case.
+EXACT_CONFIGS = [
+    (1.0, True, False),
+    (-1.0, True, False),
+    (-0.5, True, False),
+    (-1.0, True, True),
+    (-0.5, True, True),
+]
+APPROX_CONFIGS = [
+    (-1.0, False, False),
+    (-1.0, False, True),
+    (-0.5, False, False),
+    (-0.5, False, True),
+]
+
+
+def products(case: Case, identity_weight: float, exact_power: bool):
+    """``(block, state, vector, outputs)`` for the exact or the approximate products.
+
+    The state's cache (exact and approximate powers -1 and -0.5) is computed by
+    ``update_cache(state, identity_weight)``; ``outputs[(power, exact_power, use_cached)]``
+    is ``multiply_matpower(state, vector, identity_weight, ...)`` for the configurations
+    of `EXACT_CONFIGS` or `APPROX_CONFIGS`.
+
+    Everything is computed by one jitted program per case (compiling each eager op for
+    every case would dominate the test time; eager calls are compared with it in the
+    jit tests). If that program fails, each group is computed on its own, so that a
+    failure in one group does not hide the other.
+    """
+    both = _products(case, identity_weight, (True, False), catch=True)
+    if both is None:
+        return _products(case, identity_weight, (exact_power,), catch=False)
+    block, state, vector, outputs = both
+    return block, state, vector, {c: o for c, o in outputs.items() if c[1] == exact_power}
+
+
+@functools.cache
+def _products(case: Case, identity_weight: float, groups: tuple[bool, ...], catch: bool):
+    powers = (-1.0, -0.5)
+    block, state, _ = case.fitted(
+        exact_powers_to_cache=powers if True in groups else (),
+        approx_powers_to_cache=powers if False in groups else (),
+    )
+    configs = [c for c in EXACT_CONFIGS + APPROX_CONFIGS if c[1] in groups]
+    vector = case.vector()
+
+    @fast_jit
+    def run(state, vector, weight):
+        state = block.update_cache(state, weight)
+        outs = [block.multiply_matpower(state, vector, weight, *c) for c in configs]
+        return state, outs
+
+    try:
+        state, outs = run(state, vector, identity_weight)
+    except Exception:
+        if catch:
+            return None
+        raise
+    return block, state, vector, dict(zip(configs, outs, strict=True))
+
+
+def all_products(case: Case, identity_weight: float):
+    """`products` of both groups: ``[(block, state, vector, outputs), ...]`` (the state is
+    the same unless the combined program failed)."""
+    return [products(case, identity_weight, exact) for exact in (True, False)]
 
 
 def _normal(rng: np.random.Generator, shape: Sequence[int]) -> np.ndarray:
@@ -152,16 +272,33 @@ def _normal(rng: np.random.Generator, shape: Sequence[int]) -> np.ndarray:
 
 
 def dense_case(
-    name: str, x_shape: tuple[int, ...], d_out: int, bias: bool,
-    block_cls: type = blocks.DenseTwoKroneckerFactored, **kwargs: Any,
+    name: str,
+    x_shape: tuple[int, ...],
+    d_out: int | None,
+    bias: bool,
+    block_cls: type = blocks.DenseTwoKroneckerFactored,
+    *,
+    w_shape: tuple[int, ...] | None = None,
+    dimension_numbers: Any = None,
+    **kwargs: Any,
 ) -> Case:
-    shapes = ((x_shape[-1], d_out),) + (((d_out,),) if bias else ())
-    return Case(name, block_cls, tags.dense, shapes, x_shape, **kwargs)
+    """A dense layer: ``x @ w`` with ``w [x_shape[-1], d_out]``, or any ``dot_general``
+    contraction of ``x`` with ``w [*w_shape]`` (the bias has ``w``'s free axes)."""
+    w_shape = tuple(w_shape or (x_shape[-1], d_out))
+    meta = tags.dense_meta(x_shape, w_shape, dimension_numbers)
+    (_, w_axes), _ = meta["dimension_numbers"]
+    b_shape = tuple(d for i, d in enumerate(w_shape) if i not in w_axes)
+    shapes = (w_shape,) + ((b_shape,) if bias else ())
+    return Case(name, block_cls, tags.dense, shapes, x_shape, meta, **kwargs)
 
 
 def conv_case(
-    name: str, x_shape: tuple[int, ...], w_shape: tuple[int, ...], bias: bool,
-    block_cls: type = blocks.ConvTwoKroneckerFactored, case_kwargs: dict | None = None,
+    name: str,
+    x_shape: tuple[int, ...],
+    w_shape: tuple[int, ...],
+    bias: bool,
+    block_cls: type = blocks.ConvTwoKroneckerFactored,
+    case_kwargs: dict | None = None,
     **conv_kwargs: Any,
 ) -> Case:
     meta = tags.conv_meta(x_shape, w_shape, **conv_kwargs)
@@ -171,8 +308,11 @@ def conv_case(
 
 
 def scale_and_shift_case(
-    name: str, x_shape: tuple[int, ...], scale_shape: tuple[int, ...] | None,
-    shift_shape: tuple[int, ...] | None, block_cls: type,
+    name: str,
+    x_shape: tuple[int, ...],
+    scale_shape: tuple[int, ...] | None,
+    shift_shape: tuple[int, ...] | None,
+    block_cls: type,
 ) -> Case:
     shapes = tuple(s for s in (scale_shape, shift_shape) if s is not None)
     meta = dict(has_scale=scale_shape is not None, has_shift=shift_shape is not None)
@@ -186,11 +326,14 @@ def generic_case(name: str, shape: tuple[int, ...], block_cls: type) -> Case:
 # ----------------------------------------------------------------------------- references
 
 
+@functools.cache
 def kronecker_positions(block: blocks.TwoKroneckerFactored) -> np.ndarray:
     """``P[i] = vec(params_to_matrix(e_i))``: flattened parameters -> matrix layout."""
     eye = jnp.eye(block.dim, dtype=jnp.float32)
-    mats = jax.vmap(
-        lambda e: block.params_to_matrix(blocks.unflatten_params(e, block.parameters_shapes))
+    mats = fast_jit(
+        jax.vmap(
+            lambda e: block.params_to_matrix(blocks.unflatten_params(e, block.parameters_shapes))
+        )
     )(eye)
     return np.asarray(mats, np.float64).reshape(block.dim, -1)
 
@@ -206,6 +349,24 @@ def kronecker_dense(block, a: np.ndarray, g: np.ndarray) -> np.ndarray:
         o += p.shape[0]
     pos = kronecker_positions(block)
     return pos @ big @ pos.T
+
+
+def factor_value(factor: blocks.WeightedMovingAverage) -> np.ndarray:
+    """The bias-corrected value of a moving average, in float64 numpy."""
+    weight = float(factor.weight)
+    raw = np.asarray(factor.raw_value, np.float64)
+    return raw / weight if weight > 0 else np.zeros_like(raw)
+
+
+def state_dense(block, state) -> np.ndarray:
+    """The dense matrix a state represents, assembled in numpy from its factors
+    (independent of `to_dense_matrix`)."""
+    values = [factor_value(f) for f in state.factors]
+    if isinstance(block, blocks.TwoKroneckerFactored):
+        return kronecker_dense(block, *values)
+    if len(values) == 1 and values[0].shape == (block.dim, block.dim):
+        return values[0]  # Full.
+    return np.diag(np.concatenate([v.reshape(-1) for v in values]))  # Diagonal.
 
 
 def conv_patches_reference(block: blocks.ConvTwoKroneckerFactored, x: jax.Array) -> np.ndarray:
@@ -224,8 +385,15 @@ def conv_patches_reference(block: blocks.ConvTwoKroneckerFactored, x: jax.Array)
 
     def conv(w):
         return jax.lax.conv_general_dilated(
-            x, w, meta["window_strides"], meta["padding"], meta["lhs_dilation"],
-            meta["rhs_dilation"], dn, groups, precision=HIGHEST,
+            x,
+            w,
+            meta["window_strides"],
+            meta["padding"],
+            meta["lhs_dilation"],
+            meta["rhs_dilation"],
+            dn,
+            groups,
+            precision=HIGHEST,
         )
 
     y, vjp = jax.vjp(conv, jnp.zeros(w_shape, jnp.float32))
@@ -239,10 +407,14 @@ def conv_patches_reference(block: blocks.ConvTwoKroneckerFactored, x: jax.Array)
     for g in range(groups):
         cot[(np.arange(count), *idx, np.full(count, g * per_group))] = 1.0
     cot = np.moveaxis(cot, -1, ch + 1)
-    (grads,) = jax.vmap(vjp)(jnp.asarray(cot))
-    extra = () if not block.has_bias else (jnp.zeros((count, out_features), jnp.float32),)
-    mats = jax.vmap(lambda *p: block.params_to_matrix(p))(grads, *extra)
-    mats = np.asarray(mats, np.float64)
+
+    @fast_jit
+    def to_matrices(cot):
+        (grads,) = jax.vmap(vjp)(cot)
+        extra = () if not block.has_bias else (jnp.zeros((count, out_features), jnp.float32),)
+        return jax.vmap(lambda *p: block.params_to_matrix(p))(grads, *extra)
+
+    mats = np.asarray(to_matrices(jnp.asarray(cot)), np.float64)
     if block.has_bias:
         mats = mats[:, :, :-1]
     return mats[..., 0]  # Column 0: the first output feature of every group.
@@ -260,9 +432,16 @@ def reference_kronecker_factors(case: Case, block, data, batch_size: int):
         dy = np.moveaxis(dy, dn.out_spec[1] + 1, -1)
         dy = dy.reshape(-1, groups, dy.shape[-1] // groups)
     else:
+        # Rows: every free position of x; features: its contracted axes (in the order of
+        # the contraction); outputs: the weight's free axes, which end y.
         x = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
-        rows = x.reshape(-1, 1, x.shape[-1])
-        dy = dy.reshape(-1, 1, dy.shape[-1])
+        (x_axes, w_axes), _ = case.meta["dimension_numbers"]
+        w_shape = case.param_shapes[0]
+        n_in = math.prod(w_shape[a] for a in w_axes)
+        n_out = math.prod(w_shape) // n_in
+        rows = np.moveaxis(x, x_axes, range(x.ndim - len(x_axes), x.ndim))
+        rows = rows.reshape(-1, 1, n_in)
+        dy = dy.reshape(-1, 1, n_out)
     if block.has_bias:
         rows = np.concatenate([rows, np.ones(rows.shape[:-1] + (1,))], axis=-1)
     a = np.einsum("rgi,rgj->gij", rows, rows) / rows.shape[0]
@@ -287,7 +466,7 @@ def reference_per_example_gradients(case: Case, data) -> np.ndarray:
 
         return blocks.flatten_params(jax.grad(inner)(params))
 
-    per_example = jax.vmap(jax.vmap(grad), in_axes=(None, 0))(x, dy)
+    per_example = fast_jit(jax.vmap(jax.vmap(grad), in_axes=(None, 0)))(x, dy)
     return np.asarray(per_example, np.float64).reshape(-1, case.dim)
 
 
@@ -308,12 +487,18 @@ def dense_matpower(matrix: np.ndarray, identity_weight: float, power: float) -> 
     return (vecs * vals**power) @ vecs.T
 
 
+def to_matrix_layout(block, vector) -> np.ndarray:
+    """``block.params_to_matrix(vector)`` in float64, through `kronecker_positions`."""
+    flat = np.asarray(jnp.asarray(blocks.flatten_params(vector), jnp.float32), np.float64)
+    shape = (block.num_groups, block.input_size, block.output_size)
+    return (kronecker_positions(block).T @ flat).reshape(shape)
+
+
 def pi_damped_reference(block, state, vector, identity_weight: float, power: float) -> np.ndarray:
     """``(A + pi sqrt(l) I)^p (x) (G + sqrt(l)/pi I)^p`` applied per group, in float64,
     returned in `params_to_matrix` layout ``[groups, n, m]``."""
-    v = np.asarray(block.params_to_matrix(vector), np.float64)
-    a_all = np.asarray(state.factors[0].value, np.float64)
-    g_all = np.asarray(state.factors[1].value, np.float64)
+    v = to_matrix_layout(block, vector)
+    a_all, g_all = (factor_value(f) for f in state.factors)
     out = []
     for a, g, vg in zip(a_all, g_all, v, strict=True):
         n, m = a.shape[0], g.shape[0]

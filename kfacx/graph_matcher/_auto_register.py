@@ -1,0 +1,208 @@
+"""`auto_register_tags`: trace a function, match patterns, return a tagged function."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.extend as jex
+import jax.numpy as jnp
+
+from kfacx import _jaxpr, tags
+from kfacx._paths import path_to_str
+from kfacx.graph_matcher._defaults import DEFAULT_GRAPH_PATTERNS
+from kfacx.graph_matcher._match import Match, find_matches
+from kfacx.graph_matcher._pattern import GraphPattern
+from kfacx.graph_matcher._report import RegistrationEntry, RegistrationReport
+
+ON_UNMATCHED = ("warn", "error", "full")
+
+
+@dataclasses.dataclass
+class _Plan:
+    """Matches of one jaxpr level, and of the call bodies below it (by equation index)."""
+
+    matches: list[Match]
+    children: dict[int, _Plan]
+
+    def all_matches(self) -> list[Match]:
+        out = list(self.matches)
+        for child in self.children.values():
+            out.extend(child.all_matches())
+        return out
+
+
+def _plan(jaxpr, origins, patterns, taken: set[int], notes: list[str]) -> _Plan:
+    matches = find_matches(jaxpr, origins, patterns, taken)
+    env = dict(zip(jaxpr.invars, origins, strict=True))
+    children = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        ins = [None if isinstance(v, jex.core.Literal) else env.get(v) for v in eqn.invars]
+        if all(o is None for o in ins):
+            continue
+        body = _jaxpr.call_body(eqn)
+        if body is None:
+            if any(True for _ in _jaxpr.sub_jaxprs(eqn)):
+                notes.append(
+                    f"parameters enter a `{eqn.primitive.name}` primitive, which detection does "
+                    "not look into yet; they get the fallback block"
+                )
+            continue
+        child = _plan(body[0], ins, patterns, taken, notes)
+        if child.matches or child.children:
+            children[i] = child
+    return _Plan(matches, children)
+
+
+def _specs(func_args):
+    return jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), tuple(func_args)
+    )
+
+
+def _evaluate(jaxpr, consts, args, plan: _Plan):
+    """Evaluates ``jaxpr``, wrapping every match's output in its layer tag."""
+    env: dict[Any, Any] = {}
+    by_output = {id(m.output_var): m for m in plan.matches}
+
+    def read(v):
+        return v.val if isinstance(v, jex.core.Literal) else env[v]
+
+    for v, val in zip(jaxpr.constvars, consts, strict=True):
+        env[v] = val
+    for v, val in zip(jaxpr.invars, args, strict=True):
+        env[v] = val
+    for i, eqn in enumerate(jaxpr.eqns):
+        invals = [read(v) for v in eqn.invars]
+        if i in plan.children:
+            body, body_consts = _jaxpr.call_body(eqn)
+            outvals = _evaluate(body, body_consts, invals, plan.children[i])
+        else:
+            outvals = _jaxpr.bind_eqn(eqn, invals)
+        for v, val in zip(eqn.outvars, outvals, strict=True):
+            match = by_output.get(id(v))
+            if match is not None:
+                x = match.pattern.tag_inputs([read(u) for u in match.input_vars])
+                p = [read(u) for u in match.param_vars]
+                val = match.pattern.tag_primitive.bind(val, *x, *p, **match.meta)[0]
+            env[v] = val
+    return [read(v) for v in jaxpr.outvars]
+
+
+def auto_register_tags(
+    func: Callable[..., Any],
+    func_args: Sequence[Any],
+    graph_patterns: Sequence[GraphPattern] = DEFAULT_GRAPH_PATTERNS,
+    params_index: int = 0,
+    on_unmatched: str = "warn",
+) -> tuple[Callable[..., Any], RegistrationReport]:
+    """Finds the layers of ``func`` and returns a function with layer tags inserted.
+
+    Args:
+      func: the loss function (with its loss registered).
+      func_args: example arguments (arrays or `jax.ShapeDtypeStruct`); the
+        tagged function must be called with arguments of the same shapes.
+      graph_patterns: the patterns to look for (user patterns may be added to
+        or replace `DEFAULT_GRAPH_PATTERNS`).
+      params_index: the position of the parameters among ``func_args``.
+      on_unmatched: what to do with parameters no pattern matched: ``"warn"``
+        (generic tag, diagonal block, and a warning naming them), ``"error"``
+        (raise), or ``"full"`` (generic tag served by a full block).
+
+    Returns:
+      ``(tagged_func, report)``: ``tagged_func`` computes exactly what ``func``
+      does, with layer tags around every match; ``report`` is a
+      `RegistrationReport`. Layers tagged by hand in ``func`` are kept as they
+      are and never tagged twice.
+
+    Raises:
+      ValueError: for an unknown ``on_unmatched``, or unmatched parameters
+        with ``on_unmatched="error"``.
+
+    Example::
+
+      tagged, report = kfacx.graph_matcher.auto_register_tags(loss_fn, (params, batch))
+      print(report)
+    """
+    if on_unmatched not in ON_UNMATCHED:
+        raise ValueError(f"on_unmatched={on_unmatched!r}; choose one of {ON_UNMATCHED}.")
+    for p in graph_patterns:
+        if not isinstance(p, GraphPattern):
+            raise TypeError(f"graph_patterns must hold GraphPattern objects, got {p!r}.")
+    func_args = tuple(func_args)
+    closed, out_shape = jax.make_jaxpr(func, return_shape=True)(*_specs(func_args))
+    path_leaves, _ = jax.tree_util.tree_flatten_with_path(func_args[params_index])
+    paths = [path_to_str(p) for p, _ in path_leaves]
+    start = sum(len(jax.tree_util.tree_leaves(a)) for a in func_args[:params_index])
+    origins = [
+        i - start if 0 <= i - start < len(paths) else None for i in range(len(closed.jaxpr.invars))
+    ]
+
+    manual = _tagged_leaves(closed.jaxpr, origins)
+    taken = set(manual)
+    notes: list[str] = []
+    plan = _plan(closed.jaxpr, origins, list(graph_patterns), taken, notes)
+    sources = {leaf: "manual" for leaf in manual}
+    sources.update({leaf: m.pattern.name for m in plan.all_matches() for leaf in m.param_leaves})
+    unmatched = [p for i, p in enumerate(paths) if i not in sources]
+    if unmatched and on_unmatched == "error":
+        raise ValueError(
+            f"No layer pattern matched parameters {unmatched}. Register their layers by hand "
+            "(kfacx.register_*), add a GraphPattern, or use on_unmatched='warn' or 'full'."
+        )
+    if unmatched and on_unmatched == "warn":
+        warnings.warn(
+            f"kfacx: no layer pattern matched parameters {unmatched}; they get a diagonal "
+            "block. Pass on_unmatched='error' to make this an error, or 'full' for a full block.",
+            stacklevel=2,
+        )
+    out_tree = jax.tree_util.tree_structure(out_shape)
+    unmatched_leaves = {i for i, p in enumerate(paths) if i not in sources}
+    tagged = _tagged_function(closed, out_tree, plan, origins, unmatched_leaves)
+    # The report follows the tags of the tagged function, in evaluation order.
+    tagged_jaxpr = jax.make_jaxpr(tagged)(*_specs(func_args)).jaxpr
+    final = _tagged_leaves(tagged_jaxpr, origins)
+    entries = tuple(
+        RegistrationEntry(path, *final[i], source=sources.get(i, "unmatched"))
+        for i, path in enumerate(paths)
+    )
+    return tagged, RegistrationReport(entries, tuple(unmatched), tuple(dict.fromkeys(notes)))
+
+
+def _tagged_leaves(jaxpr, origins) -> dict[int, tuple[str, int]]:
+    """Parameter leaf -> (tag name, layer index) for every layer tag, in evaluation order."""
+    out, layer = {}, 0
+    for eqn, ins in _jaxpr.walk_tags(jaxpr, origins):
+        tag = tags.layer_tag_for(eqn.primitive)
+        if tag is None:
+            continue
+        for o in tag.split(ins)[2]:
+            if o is not None:
+                out[o] = (tag.name, layer)
+        layer += 1
+    return out
+
+
+def _tagged_function(closed, out_tree, plan: _Plan, origins, unmatched_leaves: set[int]):
+    expected = [v.aval for v in closed.jaxpr.invars]
+
+    def tagged(*args):
+        flat = jax.tree_util.tree_leaves(args)
+        shapes = [(jnp.shape(a), jnp.result_type(a)) for a in flat]
+        if shapes != [(a.shape, a.dtype) for a in expected]:
+            raise ValueError(
+                "The auto-tagged function was built for arguments of shapes "
+                f"{[(a.shape, str(a.dtype)) for a in expected]}, got {shapes}. Call "
+                "auto_register_tags again for the new shapes."
+            )
+        flat = [
+            tags.register_generic(a) if origins[i] in unmatched_leaves else a
+            for i, a in enumerate(flat)
+        ]
+        outs = _evaluate(closed.jaxpr, closed.consts, flat, plan)
+        return jax.tree_util.tree_unflatten(out_tree, outs)
+
+    return tagged

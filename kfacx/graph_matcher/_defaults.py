@@ -1,0 +1,162 @@
+"""The built-in graph patterns: dense, convolution and scale-and-shift layers."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kfacx import tags
+from kfacx.graph_matcher._pattern import GraphPattern
+
+
+def _find(eqns: Sequence[Any], primitive: str) -> Any:
+    for eqn in eqns:
+        if eqn.primitive.name == primitive:
+            return eqn
+    raise ValueError(f"no {primitive} equation in the match")
+
+
+def dense_parameters_extractor(eqns: Sequence[Any]) -> dict[str, Any]:
+    """Reads the contraction of the matched ``dot_general``.
+
+    Raises:
+      ValueError: for batched contractions (not a dense layer).
+    """
+    eqn = _find(eqns, "dot_general")
+    x, w = (v.aval for v in eqn.invars)
+    return tags.dense_meta(x.shape, w.shape, eqn.params["dimension_numbers"])
+
+
+def conv_parameters_extractor(eqns: Sequence[Any]) -> dict[str, Any]:
+    """Reads strides, padding, dilations, layout and groups of the matched convolution.
+
+    Raises:
+      ValueError: for ``batch_group_count != 1`` (a weight-gradient convolution).
+    """
+    eqn = _find(eqns, "conv_general_dilated")
+    p = eqn.params
+    x, w = (v.aval for v in eqn.invars)
+    dn = p["dimension_numbers"]
+    names = (dn.lhs_spec, dn.rhs_spec, dn.out_spec)
+    return tags.conv_meta(
+        x.shape,
+        w.shape,
+        window_strides=p["window_strides"],
+        padding=p["padding"],
+        lhs_dilation=p["lhs_dilation"],
+        rhs_dilation=p["rhs_dilation"],
+        dimension_numbers=jax.lax.ConvDimensionNumbers(*names),
+        feature_group_count=p["feature_group_count"],
+        batch_group_count=p["batch_group_count"],
+    )
+
+
+def _scale_and_shift_extractor(has_scale: bool, has_shift: bool):
+    def extract(eqns: Sequence[Any]) -> dict[str, Any]:
+        del eqns
+        return dict(has_scale=has_scale, has_shift=has_shift)
+
+    return extract
+
+
+def _z(*shape):
+    return np.zeros(shape, np.float32)
+
+
+def _conv(x, w):
+    return jax.lax.conv_general_dilated(
+        x, w, (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )
+
+
+DENSE_WITH_BIAS = GraphPattern(
+    name="dense_with_bias",
+    tag_primitive=tags.dense,
+    compute_func=lambda x, p: jnp.matmul(x, p[0]) + p[1],
+    parameters_extractor_func=dense_parameters_extractor,
+    example_args=[_z(2, 3), [_z(3, 4), _z(4)]],
+    precedence=30,
+)
+CONV_WITH_BIAS = GraphPattern(
+    name="conv_with_bias",
+    tag_primitive=tags.conv,
+    compute_func=lambda x, p: _conv(x, p[0]) + p[1],
+    parameters_extractor_func=conv_parameters_extractor,
+    example_args=[_z(2, 5, 5, 3), [_z(3, 3, 3, 4), _z(4)]],
+    precedence=30,
+)
+SCALE_AND_SHIFT = GraphPattern(
+    name="scale_and_shift",
+    tag_primitive=tags.scale_and_shift,
+    compute_func=lambda x, p: x * p[0] + p[1],
+    parameters_extractor_func=_scale_and_shift_extractor(True, True),
+    example_args=[_z(2, 3), [_z(3), _z(3)]],
+    precedence=20,
+)
+DENSE = GraphPattern(
+    name="dense",
+    tag_primitive=tags.dense,
+    compute_func=lambda x, p: jnp.matmul(x, p[0]),
+    parameters_extractor_func=dense_parameters_extractor,
+    example_args=[_z(2, 3), [_z(3, 4)]],
+    precedence=10,
+)
+CONV = GraphPattern(
+    name="conv",
+    tag_primitive=tags.conv,
+    compute_func=lambda x, p: _conv(x, p[0]),
+    parameters_extractor_func=conv_parameters_extractor,
+    example_args=[_z(2, 5, 5, 3), [_z(3, 3, 3, 4)]],
+    precedence=10,
+)
+SCALE = GraphPattern(
+    name="scale",
+    tag_primitive=tags.scale_and_shift,
+    compute_func=lambda x, p: x * p[0],
+    parameters_extractor_func=_scale_and_shift_extractor(True, False),
+    example_args=[_z(2, 3), [_z(3)]],
+    precedence=5,
+)
+NORMALIZATION = GraphPattern(
+    name="normalization",
+    tag_primitive=tags.scale_and_shift,
+    compute_func=lambda centered, inv_std, p: centered * (p[0] * inv_std) + p[1],
+    parameters_extractor_func=_scale_and_shift_extractor(True, True),
+    example_args=[_z(2, 3), _z(2, 1), [_z(1, 3), _z(1, 3)]],
+    precedence=25,
+    tag_inputs_func=lambda centered, inv_std: (centered * inv_std,),
+)
+NORMALIZATION_SCALE = GraphPattern(
+    name="normalization_scale",
+    tag_primitive=tags.scale_and_shift,
+    compute_func=lambda centered, inv_std, p: centered * (p[0] * inv_std),
+    parameters_extractor_func=_scale_and_shift_extractor(True, False),
+    example_args=[_z(2, 3), _z(2, 1), [_z(1, 3)]],
+    precedence=15,
+    tag_inputs_func=lambda centered, inv_std: (centered * inv_std,),
+)
+SHIFT = GraphPattern(
+    name="shift",
+    tag_primitive=tags.scale_and_shift,
+    compute_func=lambda x, p: x + p[0],
+    parameters_extractor_func=_scale_and_shift_extractor(False, True),
+    example_args=[_z(2, 3), [_z(3)]],
+    precedence=0,
+)
+
+#: The built-in patterns, in precedence order.
+DEFAULT_GRAPH_PATTERNS: tuple[GraphPattern, ...] = (
+    DENSE_WITH_BIAS,
+    CONV_WITH_BIAS,
+    NORMALIZATION,
+    SCALE_AND_SHIFT,
+    NORMALIZATION_SCALE,
+    DENSE,
+    CONV,
+    SCALE,
+    SHIFT,
+)

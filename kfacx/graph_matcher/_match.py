@@ -1,0 +1,304 @@
+"""Finding `GraphPattern` occurrences in a jaxpr.
+
+A match is a structural unification, backwards from the pattern's output
+equation: primitives must agree (their params may differ — shapes, axes and
+strides are read by the pattern's parameter extractor), pattern inputs bind to
+any value, and pattern parameters bind to parameter leaves of the model, seen
+through shape-only operations (broadcasts, reshapes, casts). Every structural
+match is then verified numerically: the matched equations and the tag's
+``compute`` must give the same output on random values, so a match never
+changes what the model computes nor mislabels a layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.extend as jex
+import numpy as np
+
+from kfacx import _jaxpr
+from kfacx.graph_matcher._pattern import GraphPattern
+
+_SHAPE_ONLY = {
+    "broadcast_in_dim",
+    "reshape",
+    "convert_element_type",
+    "squeeze",
+    "expand_dims",
+    "copy",
+    "copy_p",
+}
+_COMMUTATIVE = {"add", "mul", "add_any"}
+
+
+@dataclasses.dataclass
+class Match:
+    """One occurrence of a pattern in a jaxpr.
+
+    Attributes:
+      pattern: the matched `GraphPattern`.
+      eqns: the matched equations (images of the pattern's equations), in jaxpr order.
+      input_vars: the values bound to the pattern's inputs.
+      param_vars: the parameter-leaf values bound to the pattern's parameters.
+      param_leaves: the parameter-leaf indices of ``param_vars``.
+      output_var: the value the tag wraps.
+      meta: the tag's static metadata from the extractor.
+    """
+
+    pattern: GraphPattern
+    eqns: list[Any]
+    input_vars: list[Any]
+    param_vars: list[Any]
+    param_leaves: list[int]
+    output_var: Any
+    meta: dict[str, Any]
+
+
+class _Graph:
+    """Producers, users and parameter origins of one (open) jaxpr."""
+
+    def __init__(self, jaxpr: jex.core.Jaxpr, origins: Sequence[Any]):
+        self.jaxpr = jaxpr
+        self.origin = dict(zip(jaxpr.invars, origins, strict=True))
+        self.order = {id(e): i for i, e in enumerate(jaxpr.eqns)}
+        self.producer: dict[Any, Any] = {}
+        self.users: dict[Any, list[Any]] = {}
+        for eqn in jaxpr.eqns:
+            for v in eqn.outvars:
+                self.producer[v] = eqn
+            for v in eqn.invars:
+                if not isinstance(v, jex.core.Literal):
+                    self.users.setdefault(v, []).append(eqn)
+        self.outvars = {v for v in jaxpr.outvars if not isinstance(v, jex.core.Literal)}
+
+    def param_leaf(self, var) -> tuple[Any, list[Any]] | None:
+        """Follows shape-only producers back to a parameter leaf: ``(leaf_var, chain)``."""
+        chain = []
+        while self.origin.get(var) is None:
+            eqn = self.producer.get(var)
+            if eqn is None or eqn.primitive.name not in _SHAPE_ONLY:
+                return None
+            chain.append(eqn)
+            var = eqn.invars[0]
+            if isinstance(var, jex.core.Literal):
+                return None
+        return var, chain
+
+
+@dataclasses.dataclass
+class _State:
+    binding: dict[Any, Any]
+    matched: dict[int, Any]
+
+    def copy(self) -> _State:
+        return _State(dict(self.binding), dict(self.matched))
+
+
+class _Unifier:
+    def __init__(self, pattern: GraphPattern, graph: _Graph, claimed: set[int]):
+        p = pattern.jaxpr
+        self.graph = graph
+        self.claimed = claimed
+        self.inputs = set(p.invars[: pattern.num_inputs])
+        self.params = set(p.invars[pattern.num_inputs :])
+        self.producer = {v: e for e in p.eqns for v in e.outvars}
+
+    def _pattern_param(self, pv) -> Any | None:
+        """The pattern parameter behind a chain of pattern shape-only ops, if any."""
+        while pv not in self.params:
+            eqn = self.producer.get(pv)
+            if eqn is None or eqn.primitive.name not in _SHAPE_ONLY:
+                return None
+            pv = eqn.invars[0]
+        return pv
+
+    def unify(self, pv, tv, state: _State) -> _State | None:
+        if pv in state.binding:
+            return state if state.binding[pv] is tv else None
+        if pv in self.inputs:
+            state.binding[pv] = tv
+            return state
+        param = self._pattern_param(pv)
+        if param is not None:
+            found = self.graph.param_leaf(tv)
+            if found is None:
+                return None
+            if param in state.binding:
+                return state if state.binding[param] is found[0] else None
+            state.binding[param] = found[0]
+            return state
+        return self._unify_eqn(pv, tv, state)
+
+    def _unify_eqn(self, pv, tv, state: _State) -> _State | None:
+        p_eqn, t_eqn = self.producer.get(pv), self.graph.producer.get(tv)
+        if p_eqn is None or t_eqn is None or id(t_eqn) in self.claimed:
+            return None
+        if p_eqn.primitive.name != t_eqn.primitive.name or len(p_eqn.invars) != len(t_eqn.invars):
+            return None
+        if p_eqn.outvars.index(pv) != t_eqn.outvars.index(tv):
+            return None
+        if id(p_eqn) in state.matched:
+            return state if state.matched[id(p_eqn)] is t_eqn else None
+        state.matched[id(p_eqn)] = t_eqn
+        orders = [list(t_eqn.invars)]
+        if p_eqn.primitive.name in _COMMUTATIVE:
+            orders.append(list(reversed(t_eqn.invars)))
+        for t_invars in orders:
+            result = self._unify_operands(p_eqn.invars, t_invars, state.copy())
+            if result is not None:
+                return result
+        return None
+
+    def _unify_operands(self, p_invars, t_invars, state: _State) -> _State | None:
+        for pi, ti in zip(p_invars, t_invars, strict=True):
+            if isinstance(pi, jex.core.Literal):
+                if not isinstance(ti, jex.core.Literal):
+                    return None
+                continue
+            if isinstance(ti, jex.core.Literal):
+                return None
+            state = self.unify(pi, ti, state)
+            if state is None:
+                return None
+        return state
+
+
+def _internal_values_escape(graph: _Graph, eqns: list[Any], output_var) -> bool:
+    """Whether a value computed inside the match is used outside of it."""
+    inside = {id(e) for e in eqns}
+    for eqn in eqns:
+        for v in eqn.outvars:
+            if v is output_var:
+                continue
+            if v in graph.outvars or any(id(u) not in inside for u in graph.users.get(v, [])):
+                return True
+    return False
+
+
+def _evaluate_subgraph(graph: _Graph, eqns, input_vars, param_vars, inputs, params, output_var):
+    env = dict(zip(input_vars, inputs, strict=True)) | dict(zip(param_vars, params, strict=True))
+    # The shape-only chains from parameter leaves to their uses.
+    chain_eqns = {id(e): e for pv in param_vars for e in _chains_from(graph, pv)}
+    todo = sorted(list(chain_eqns.values()) + eqns, key=lambda e: graph.order[id(e)])
+    for eqn in todo:
+        ins = [v.val if isinstance(v, jex.core.Literal) else env.get(v) for v in eqn.invars]
+        if any(x is None for x in ins):
+            continue
+        for v, val in zip(eqn.outvars, _jaxpr.bind_eqn(eqn, ins), strict=True):
+            env[v] = val
+    return env[output_var]
+
+
+def _chains_from(graph: _Graph, var) -> list[Any]:
+    out, frontier = [], [var]
+    while frontier:
+        v = frontier.pop()
+        for eqn in graph.users.get(v, []):
+            if eqn.primitive.name in _SHAPE_ONLY:
+                out.append(eqn)
+                frontier.extend(eqn.outvars)
+    return out
+
+
+def _verified(match: Match, graph: _Graph) -> bool:
+    """Numerical check: the matched equations equal the tag's compute function."""
+    compute = match.pattern.tag_primitive.compute
+    if compute is None:
+        return True
+    rng = np.random.default_rng(0)
+
+    def sample(var):
+        aval = var.aval
+        return (rng.standard_normal(aval.shape) * 0.5 + 0.25).astype(aval.dtype)
+
+    with jax.ensure_compile_time_eval():
+        inputs = [sample(v) for v in match.input_vars]
+        params = [sample(v) for v in match.param_vars]
+        try:
+            want = _evaluate_subgraph(
+                graph,
+                match.eqns,
+                match.input_vars,
+                match.param_vars,
+                inputs,
+                params,
+                match.output_var,
+            )
+            tag_inputs = match.pattern.tag_inputs(inputs)
+            (got,) = compute(tag_inputs, tuple(params), **match.meta)
+        except (TypeError, ValueError, KeyError):
+            return False
+        if np.shape(got) != np.shape(want):
+            return False
+        scale = 1.0 + float(np.max(np.abs(np.asarray(want, np.float64)), initial=0.0))
+        tol = 1e-3 if np.dtype(match.output_var.aval.dtype).itemsize >= 4 else 5e-2
+        return bool(
+            np.allclose(
+                np.asarray(got, np.float64),
+                np.asarray(want, np.float64),
+                atol=tol * scale,
+                rtol=tol,
+            )
+        )
+
+
+def _try_match(pattern, graph, t_eqn, claimed, taken_leaves) -> Match | None:
+    p = pattern.jaxpr
+    p_out = p.outvars[0]
+    p_last = next((e for e in p.eqns if p_out in e.outvars), None)
+    if p_last is None or p_last.primitive.name != t_eqn.primitive.name:
+        return None
+    tv = t_eqn.outvars[p_last.outvars.index(p_out)]
+    state = _Unifier(pattern, graph, claimed).unify(p_out, tv, _State({}, {}))
+    if state is None:
+        return None
+    inputs = [state.binding.get(v) for v in p.invars[: pattern.num_inputs]]
+    params = [state.binding.get(v) for v in p.invars[pattern.num_inputs :]]
+    if any(v is None for v in inputs + params) or any(v in params for v in inputs):
+        return None
+    leaves = [graph.origin[v] for v in params]
+    if len(set(leaves)) != len(leaves) or taken_leaves.intersection(leaves):
+        return None
+    eqns = sorted(state.matched.values(), key=lambda e: graph.order[id(e)])
+    if _internal_values_escape(graph, eqns, tv):
+        return None
+    try:
+        meta = pattern.parameters_extractor_func(eqns)
+    except ValueError:
+        return None
+    if meta is None:
+        return None
+    match = Match(pattern, eqns, inputs, params, leaves, tv, dict(meta))
+    return match if _verified(match, graph) else None
+
+
+def find_matches(
+    jaxpr: jex.core.Jaxpr,
+    origins: Sequence[Any],
+    patterns: Sequence[GraphPattern],
+    taken_leaves: set[int],
+) -> list[Match]:
+    """All non-overlapping matches in one jaxpr (not its sub-jaxprs).
+
+    Patterns are tried by decreasing precedence; an equation belongs to at most
+    one match and a parameter leaf to at most one match (``taken_leaves`` is
+    updated with the leaves of the new matches).
+    """
+    graph = _Graph(jaxpr, origins)
+    claimed: set[int] = set()
+    matches = []
+    for pattern in sorted(patterns, key=lambda p: -p.precedence):
+        for eqn in jaxpr.eqns:
+            if id(eqn) in claimed:
+                continue
+            match = _try_match(pattern, graph, eqn, claimed, taken_leaves)
+            if match is None:
+                continue
+            matches.append(match)
+            claimed.update(id(e) for e in match.eqns)
+            taken_leaves.update(match.param_leaves)
+    return matches
