@@ -5,7 +5,7 @@ register the loss on the model output, and precondition gradients with
 `BlockDiagonalCurvature`.
 """
 
-from kfacx import blocks, linalg, losses, tags, tracer
+from kfacx import blocks, graph_matcher, linalg, losses, tags, tracer
 from kfacx.blocks import (
     ConvTwoKroneckerFactored,
     CurvatureBlock,
@@ -22,6 +22,12 @@ from kfacx.estimator import (
     ESTIMATION_MODES,
     BlockDiagonalCurvature,
     EstimatorState,
+)
+from kfacx.graph_matcher import (
+    DEFAULT_GRAPH_PATTERNS,
+    GraphPattern,
+    RegistrationReport,
+    auto_register_tags,
 )
 from kfacx.losses import (
     LossFunction,
@@ -47,6 +53,7 @@ from kfacx.tracer import layer_tags_vjp, loss_tags_jvp, loss_tags_vjp
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "DEFAULT_GRAPH_PATTERNS",
     "DEFAULT_LAYER_TAG_TO_BLOCK_CTOR",
     "ESTIMATION_MODES",
     "BlockDiagonalCurvature",
@@ -56,17 +63,21 @@ __all__ = [
     "Diagonal",
     "EstimatorState",
     "Full",
+    "GraphPattern",
     "LayerInfo",
     "LayerTag",
     "LossFunction",
     "LossTag",
     "NormalPredictiveLoss",
+    "RegistrationReport",
     "ScaleAndShiftDiagonal",
     "ScaleAndShiftFull",
     "SigmoidCrossEntropyLoss",
     "SoftmaxCrossEntropyLoss",
     "TwoKroneckerFactored",
+    "auto_register_tags",
     "blocks",
+    "graph_matcher",
     "layer_tags_vjp",
     "linalg",
     "loss_tags_jvp",
