@@ -29,6 +29,7 @@ DEFAULT_LAYER_TAG_TO_BLOCK_CTOR: Mapping[str, Callable[[blocks_lib.LayerInfo], A
     "dense_tag": blocks_lib.DenseTwoKroneckerFactored,
     "conv_tag": blocks_lib.ConvTwoKroneckerFactored,
     "scale_and_shift_tag": blocks_lib.ScaleAndShiftDiagonal,
+    "embedding_tag": blocks_lib.EmbeddingKroneckerFactored,
     "generic_tag": blocks_lib.Diagonal,
 }
 

@@ -750,3 +750,39 @@ def test_multi_axis_dense_blocks_equal_exact_ggn_blocks():
         np.testing.assert_allclose(got[np.ix_(idx, idx)], exact[np.ix_(idx, idx)], atol=1e-5)
     np.testing.assert_allclose(got[np.ix_(first, second)], 0.0)
     assert sum(sizes.values()) == got.shape[0]
+
+
+# ----------------------------------------------------------------------------- embeddings
+
+
+def test_detected_embedding_block_equals_exact_ggn_block():
+    """hk.Embed is detected; for one example and one position its Kronecker block
+    (diagonal input factor) equals the exact Gauss-Newton block."""
+
+    def fn(ids):
+        e = hk.Embed(7, 4)(ids)
+        return hk.Linear(3)(jnp.tanh(e.reshape(e.shape[0], -1)))
+
+    net = hk.without_apply_rng(hk.transform(fn))
+    ids, labels = np.array([[5]], np.int32), np.array([2])
+    params = net.init(jax.random.PRNGKey(0), ids)
+
+    def loss(params, batch):
+        ids, labels = batch
+        logits = kfacx.register_softmax_cross_entropy_loss(net.apply(params, ids), labels)
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], 1))
+
+    est = kfacx.BlockDiagonalCurvature(loss)
+    state = est.init(jax.random.PRNGKey(1), (params, (ids, labels)))
+    state = est.update_curvature_matrix_estimate(
+        state, 0.0, 1.0, None, jax.random.PRNGKey(2), (params, (ids, labels)), "ggn_exact"
+    )
+    assert isinstance(est.blocks[0], kfacx.EmbeddingKroneckerFactored)
+    assert est.report.unmatched == ()
+    got = np.asarray(est.to_dense_matrix(state))
+    flat, unravel = ravel_pytree(params)
+    jac = np.asarray(jax.jacfwd(lambda f: net.apply(unravel(f), ids).reshape(-1))(flat), np.float64)
+    prob = np.asarray(jax.nn.softmax(net.apply(params, ids)).reshape(-1), np.float64)
+    exact = jac.T @ (np.diag(prob) - np.outer(prob, prob)) @ jac
+    table = np.arange(28)  # ravel_pytree order: embed/embeddings first
+    np.testing.assert_allclose(got[np.ix_(table, table)], exact[np.ix_(table, table)], atol=1e-6)

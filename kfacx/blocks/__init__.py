@@ -20,6 +20,12 @@ from kfacx.blocks._diagonal_full import (
     ScaleAndShiftDiagonal,
     ScaleAndShiftFull,
 )
+from kfacx.blocks._embedding import (
+    EmbeddingCache,
+    EmbeddingEigen,
+    EmbeddingKroneckerFactored,
+    EmbeddingPair,
+)
 from kfacx.blocks._kronecker import (
     ConvTwoKroneckerFactored,
     DenseTwoKroneckerFactored,
@@ -35,6 +41,10 @@ __all__ = [
     "CurvatureBlock",
     "DenseTwoKroneckerFactored",
     "Diagonal",
+    "EmbeddingCache",
+    "EmbeddingEigen",
+    "EmbeddingKroneckerFactored",
+    "EmbeddingPair",
     "Full",
     "FullEigen",
     "KroneckerCache",

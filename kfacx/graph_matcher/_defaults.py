@@ -55,6 +55,37 @@ def conv_parameters_extractor(eqns: Sequence[Any]) -> dict[str, Any]:
     )
 
 
+def embedding_parameters_extractor(eqns: Sequence[Any]) -> dict[str, Any]:
+    """Checks that the matched ``gather`` is a row lookup ``table[ids]``.
+
+    Raises:
+      ValueError: for any other gather (slices, multi-axis indexing).
+    """
+    eqn = _find(eqns, "gather")
+    table, indices = (v.aval for v in eqn.invars)
+    dn = eqn.params["dimension_numbers"]
+    lookup = (
+        table.ndim == 2
+        and indices.shape[-1:] == (1,)
+        and tuple(dn.collapsed_slice_dims) == (0,)
+        and tuple(dn.start_index_map) == (0,)
+        and tuple(dn.offset_dims) == (indices.ndim - 1,)
+        and tuple(eqn.params["slice_sizes"]) == (1, table.shape[1])
+        and not tuple(getattr(dn, "operand_batching_dims", ()))
+    )
+    if not lookup:
+        raise ValueError("not a row lookup")
+    return {}
+
+
+def _lookup(indices, params):
+    dn = jax.lax.GatherDimensionNumbers(
+        offset_dims=(indices.ndim - 1,), collapsed_slice_dims=(0,), start_index_map=(0,)
+    )
+    table = params[0]
+    return jax.lax.gather(table, indices, dn, (1, table.shape[1]), mode="promise_in_bounds")
+
+
 def _scale_and_shift_extractor(has_scale: bool, has_shift: bool):
     def extract(eqns: Sequence[Any]) -> dict[str, Any]:
         del eqns
@@ -139,6 +170,15 @@ NORMALIZATION_SCALE = GraphPattern(
     precedence=15,
     tag_inputs_func=lambda centered, inv_std: (centered * inv_std,),
 )
+EMBEDDING = GraphPattern(
+    name="embedding",
+    tag_primitive=tags.embedding,
+    compute_func=_lookup,
+    parameters_extractor_func=embedding_parameters_extractor,
+    example_args=[np.zeros((2, 3, 1), np.int32), [_z(5, 4)]],
+    precedence=10,
+    tag_inputs_func=lambda indices: (indices[..., 0],),
+)
 SHIFT = GraphPattern(
     name="shift",
     tag_primitive=tags.scale_and_shift,
@@ -157,6 +197,7 @@ DEFAULT_GRAPH_PATTERNS: tuple[GraphPattern, ...] = (
     NORMALIZATION_SCALE,
     DENSE,
     CONV,
+    EMBEDDING,
     SCALE,
     SHIFT,
 )

@@ -213,6 +213,8 @@ def _verified(match: Match, graph: _Graph) -> bool:
 
     def sample(var):
         aval = var.aval
+        if np.issubdtype(aval.dtype, np.integer):  # ids / indices: small, in range
+            return rng.integers(0, 2, aval.shape).astype(aval.dtype)
         return (rng.standard_normal(aval.shape) * 0.5 + 0.25).astype(aval.dtype)
 
     with jax.ensure_compile_time_eval():

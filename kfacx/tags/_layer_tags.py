@@ -410,6 +410,48 @@ def register_scale_and_shift(
     )[0]
 
 
+# ----------------------------------------------------------------------------- embedding
+
+
+def _embedding_compute(inputs, params, **meta):
+    del meta
+    (ids,) = inputs
+    (table,) = params
+    return (jnp.take(table, ids, axis=0),)
+
+
+embedding = LayerTag("embedding_tag", num_inputs=1, num_outputs=1, compute=_embedding_compute)
+
+
+def register_embedding(y: jax.Array, ids: jax.Array, table: jax.Array) -> jax.Array:
+    """Marks an embedding lookup ``y = table[ids]`` and returns ``y`` unchanged.
+
+    Args:
+      y: the looked-up vectors, shape ``ids.shape + (dim,)``.
+      ids: integer ids, any shape (leading axis: batch).
+      table: the embedding table, shape ``[vocab, dim]``.
+
+    Returns:
+      ``y``, tagged.
+
+    Raises:
+      ValueError: if the shapes do not describe a lookup, or ids are not integers.
+
+    Example::
+
+      y = kfacx.register_embedding(table[ids], ids, table)
+    """
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise TypeError(f"register_embedding: ids must be integers, got {ids.dtype}.")
+    if table.ndim != 2:
+        raise _shape_error("register_embedding", "table", table.shape, "[vocab, dim]", "")
+    if tuple(y.shape) != tuple(ids.shape) + (table.shape[1],):
+        raise _shape_error(
+            "register_embedding", "y", y.shape, f"{tuple(ids.shape) + (table.shape[1],)}", ""
+        )
+    return embedding.bind(y, ids, table)[0]
+
+
 # ----------------------------------------------------------------------------- generic
 
 

@@ -1,0 +1,153 @@
+"""Kronecker-factored block of an embedding lookup, with a diagonal input factor.
+
+An embedding ``y = table[ids]`` is a dense layer on one-hot inputs, so its
+input factor ``E[onehot onehot^T]`` is diagonal: the frequency of each id.
+The block keeps that diagonal (``vocab`` numbers, never a ``vocab x vocab``
+matrix) and the output factor ``G = sum dy dy^T / batch_size``, and acts on
+``V[vocab, dim]`` as ``V -> diag(a) V G``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from kfacx import linalg
+from kfacx.blocks._base import BlockState, CurvatureBlock, LayerInfo
+
+
+class EmbeddingEigen(NamedTuple):
+    """Eigendecomposition of the output factor (the input factor is diagonal)."""
+
+    outputs_eigenvalues: jax.Array
+    outputs_eigenvectors: jax.Array
+
+
+class EmbeddingPair(NamedTuple):
+    """A damped power of both factors: the diagonal of ``(diag(a) + d_a)^p`` and ``(G + d_g)^p``."""
+
+    inputs_diagonal: jax.Array
+    outputs: jax.Array
+
+
+class EmbeddingCache(NamedTuple):
+    """What `EmbeddingKroneckerFactored.update_cache` keeps; absent entries are None."""
+
+    eigen: EmbeddingEigen | None
+    inverse: EmbeddingPair | None
+    inverse_sqrt: EmbeddingPair | None
+
+
+_APPROX_FIELDS = {-1.0: "inverse", -0.5: "inverse_sqrt"}
+
+
+class EmbeddingKroneckerFactored(CurvatureBlock):
+    """K-FAC block of an embedding table ``[vocab, dim]`` with a diagonal input factor.
+
+    Raises:
+      ValueError: if the layer's parameter is not a 2-D table.
+    """
+
+    def __init__(self, layer: LayerInfo):
+        super().__init__(layer)
+        shapes = layer.parameter_shapes
+        if len(shapes) != 1 or len(shapes[0]) != 2:
+            raise ValueError(
+                f"EmbeddingKroneckerFactored({layer.name}): expected one [vocab, dim] table, "
+                f"got shapes {shapes}."
+            )
+        self.vocab, self.width = shapes[0]
+
+    def factor_shapes(self):
+        return ((self.vocab,), (self.width, self.width))
+
+    def compute_statistics(self, estimation_data, batch_size):
+        (ids,) = estimation_data["inputs"]
+        (dy,) = estimation_data["outputs_tangent"]
+        ids = ids.reshape(-1)
+        counts = jnp.zeros((self.vocab,), self.dtype).at[ids].add(1.0, mode="drop")
+        dy = dy.reshape(-1, self.width).astype(self.dtype)
+        return counts / ids.shape[0], dy.T @ dy / batch_size
+
+    # ---------------------------------------------------------------- cache
+
+    def init_cache(self, exact_powers_to_cache, approx_powers_to_cache, cache_eigenvalues):
+        for p in approx_powers_to_cache:
+            if float(p) not in _APPROX_FIELDS:
+                raise self._unsupported_power(p, "in approx_powers_to_cache")
+        v, d = self.vocab, self.width
+        eigen = None
+        if exact_powers_to_cache or cache_eigenvalues:
+            eigen = EmbeddingEigen(jnp.zeros((d,), self.dtype), jnp.zeros((d, d), self.dtype))
+        pairs = {
+            field: EmbeddingPair(jnp.zeros((v,), self.dtype), jnp.zeros((d, d), self.dtype))
+            if power in map(float, approx_powers_to_cache)
+            else None
+            for power, field in _APPROX_FIELDS.items()
+        }
+        return EmbeddingCache(eigen=eigen, **pairs)
+
+    def update_cache(self, state: BlockState, identity_weight: Any) -> BlockState:
+        a, g = (f.value for f in state.factors)
+        cache: EmbeddingCache = state.cache
+        if cache.eigen is not None:
+            cache = cache._replace(eigen=EmbeddingEigen(*linalg.safe_eigh(g)))
+        for power, field in _APPROX_FIELDS.items():
+            if getattr(cache, field) is not None:
+                pair = self._approx_pair_now(a, g, identity_weight, power)
+                cache = cache._replace(**{field: pair})
+        return state._replace(cache=cache)
+
+    def _approx_pair_now(self, a, g, identity_weight, power) -> EmbeddingPair:
+        d_a, d_g = linalg.pi_adjusted_damping(jnp.diag(a), g, identity_weight)
+        if power == -1.0:
+            return EmbeddingPair(1.0 / (a + d_a), linalg.psd_inverse(g, d_g))
+        return EmbeddingPair(jnp.power(a + d_a, power), linalg.psd_matpower(g, power, d_g))
+
+    # ---------------------------------------------------------------- products
+
+    def _multiply(self, state, vector, identity_weight):
+        a, g = (f.value for f in state.factors)
+        (v,) = vector
+        w = v.astype(self.dtype)
+        out = a[:, None] * (w @ g) + jnp.asarray(identity_weight, self.dtype) * w
+        return (out.astype(v.dtype),)
+
+    def _multiply_matpower(self, state, vector, identity_weight, power, exact_power, use_cached):
+        (v,) = vector
+        w = v.astype(self.dtype)
+        if exact_power:
+            out = self._exact(state, w, identity_weight, power, use_cached)
+        else:
+            pair = self._approx_pair(state, identity_weight, power, use_cached)
+            out = pair.inputs_diagonal[:, None] * (w @ pair.outputs)
+        return (out.astype(v.dtype),)
+
+    def _exact(self, state, w, identity_weight, power, use_cached):
+        a = state.factors[0].value
+        if use_cached:
+            if state.cache.eigen is None:
+                raise self._missing_cache("an eigendecomposition", "exact_powers_to_cache=(power,)")
+            vals, vecs = state.cache.eigen
+        else:
+            vals, vecs = linalg.safe_eigh(state.factors[1].value)
+        scale = jnp.power(a[:, None] * vals[None, :] + jnp.asarray(identity_weight, w.dtype), power)
+        return ((w @ vecs) * scale) @ vecs.T
+
+    def _approx_pair(self, state, identity_weight, power, use_cached) -> EmbeddingPair:
+        field = _APPROX_FIELDS.get(power)
+        if field is None:
+            raise self._unsupported_power(power, "with exact_power=False")
+        if not use_cached:
+            a, g = (f.value for f in state.factors)
+            return self._approx_pair_now(a, g, identity_weight, power)
+        pair = getattr(state.cache, field)
+        if pair is None:
+            raise self._missing_cache(f"the power {power}", f"approx_powers_to_cache=({power},)")
+        return pair
+
+    def to_dense_matrix(self, state):
+        a, g = (f.value for f in state.factors)
+        return jnp.kron(jnp.diag(a), g)
