@@ -34,7 +34,11 @@ class TracedFunction:
       param_paths: the path of every parameter leaf.
       layers: a `kfacx.blocks.LayerInfo` per layer tag, in evaluation order.
       layer_param_leaves: for every layer, the parameter-leaf indices of its params.
-      output_dtypes: for every layer, the dtypes of its outputs.
+      use_to_layer: for every layer tag equation (a *use*), in evaluation order,
+        the layer it belongs to. A layer whose parameters are shared (tied
+        weights, the same layer applied twice) has several uses; its
+        statistics fold the uses into the batch axis ("expand" K-FAC).
+      use_outputs: for every use, ``(shape, dtype)`` of each output.
       num_losses: number of loss tags.
     """
 
@@ -45,7 +49,8 @@ class TracedFunction:
     param_paths: tuple[str, ...]
     layers: tuple[LayerInfo, ...]
     layer_param_leaves: tuple[tuple[int, ...], ...]
-    output_dtypes: tuple[tuple[Any, ...], ...]
+    use_to_layer: tuple[int, ...]
+    use_outputs: tuple[tuple[tuple[tuple[int, ...], Any], ...], ...]
     num_losses: int
 
     @property
@@ -97,25 +102,25 @@ def trace(
     start, stop = _param_leaf_range(func_args, params_index)
     origins = [i - start if start <= i < stop else None for i in range(len(closed.jaxpr.invars))]
 
-    layers, leaves_of, out_dtypes, num_losses = [], [], [], 0
-    owner: dict[int, str] = {}
+    layers, leaves_of, use_to_layer, use_outputs, num_losses = [], [], [], [], 0
+    owner: dict[int, int] = {}
     for eqn, ins in _jaxpr.walk_tags(closed.jaxpr, origins):
         tag = tags.layer_tag_for(eqn.primitive)
         if tag is None:
             num_losses += 1
             continue
         info, leaf_ids = _layer_info(tag, eqn, ins, param_paths)
-        for leaf in leaf_ids:
-            if leaf in owner:
-                raise ValueError(
-                    f"Parameter {param_paths[leaf]!r} is used by two layer tags ({owner[leaf]} and "
-                    f"{info.name}); weight sharing is not supported yet. Register the layer "
-                    "once, or tag the shared parameter with kfacx.register_generic."
-                )
-            owner[leaf] = info.name
+        use_outputs.append(tuple((v.aval.shape, v.aval.dtype) for v in tag.split(eqn.invars)[0]))
+        shared = {owner[leaf] for leaf in leaf_ids if leaf in owner}
+        if shared:
+            index = _shared_layer(shared, layers, leaves_of, info, leaf_ids)
+            layers[index] = dataclasses.replace(layers[index], num_uses=layers[index].num_uses + 1)
+            use_to_layer.append(index)
+            continue
+        owner.update({leaf: len(layers) for leaf in leaf_ids})
+        use_to_layer.append(len(layers))
         layers.append(info)
         leaves_of.append(leaf_ids)
-        out_dtypes.append(tuple(v.aval.dtype for v in tag.split(eqn.invars)[0]))
     if num_losses == 0:
         raise ValueError(
             "The function registers no loss. Call e.g. kfacx.register_softmax_cross_entropy_loss("
@@ -129,9 +134,32 @@ def trace(
         param_paths,
         tuple(layers),
         tuple(leaves_of),
-        tuple(out_dtypes),
+        tuple(use_to_layer),
+        tuple(use_outputs),
         num_losses,
     )
+
+
+def _shared_layer(shared: set[int], layers, leaves_of, info: LayerInfo, leaf_ids) -> int:
+    """The layer whose parameters a new tag shares; the uses must be the same kind of layer."""
+    (index,) = shared if len(shared) == 1 else (None,)
+    first = layers[index] if index is not None else None
+    same = (
+        first is not None
+        and leaves_of[index] == leaf_ids
+        and first.tag_name == info.tag_name
+        and dict(first.meta) == dict(info.meta)
+        and [s[1:] for s in first.input_shapes] == [s[1:] for s in info.input_shapes]
+        and [s[1:] for s in first.output_shapes] == [s[1:] for s in info.output_shapes]
+    )
+    if not same:
+        raise ValueError(
+            f"Layer {info.name} shares parameters with another layer tag but is not the same "
+            "kind of layer (same tag, parameters, metadata and per-example shapes), so they "
+            "cannot be served by one block. Tag the shared parameters once, or with "
+            "kfacx.register_generic."
+        )
+    return index
 
 
 def _layer_info(tag, eqn, ins, param_paths) -> tuple[LayerInfo, tuple[int, ...]]:
@@ -207,29 +235,27 @@ def _make_losses(loss_operands, predictions) -> tuple[losses.LossFunction, ...]:
 
 
 def _zero_perturbations(traced: TracedFunction) -> tuple:
-    return tuple(
-        tuple(jnp.zeros(s, d) for s, d in zip(layer.output_shapes, dtypes, strict=True))
-        for layer, dtypes in zip(traced.layers, traced.output_dtypes, strict=True)
-    )
+    return tuple(tuple(jnp.zeros(s, d) for s, d in outs) for outs in traced.use_outputs)
 
 
 class LayerTagsVjp:
     """The vjp returned by `layer_tags_vjp`: loss cotangents -> per-layer estimation data."""
 
-    def __init__(self, vjp_fn, records):
+    def __init__(self, vjp_fn, records, use_to_layer):
         self._vjp_fn = vjp_fn
         self._records = records
+        self._use_to_layer = use_to_layer
 
     def tangents(self, loss_cotangents: Sequence[jax.Array]) -> tuple[tuple[jax.Array, ...], ...]:
         """The cotangents of every layer's outputs (without the layer data)."""
         (tangents,) = self._vjp_fn(tuple(loss_cotangents))
         return tangents
 
-    def _data(self, tangents) -> tuple[dict, ...]:
-        return tuple(
-            dict(rec, outputs_tangent=tuple(t))
-            for rec, t in zip(self._records, tangents, strict=True)
-        )
+    def _data(self, tangents, batch_axis: int) -> tuple[dict, ...]:
+        uses: dict[int, list[dict]] = {}
+        for rec, t, layer in zip(self._records, tangents, self._use_to_layer, strict=True):
+            uses.setdefault(layer, []).append(dict(rec, outputs_tangent=tuple(t)))
+        return tuple(_fold_uses(uses[i], batch_axis) for i in range(len(uses)))
 
     def __call__(self, loss_cotangents: Sequence[jax.Array]) -> tuple[dict, ...]:
         """Per layer: ``inputs``, ``outputs``, ``params`` and ``outputs_tangent``.
@@ -237,12 +263,35 @@ class LayerTagsVjp:
         Args:
           loss_cotangents: one array per registered loss, shaped like its prediction.
         """
-        return self._data(self.tangents(loss_cotangents))
+        return self._data(self.tangents(loss_cotangents), batch_axis=0)
 
     def sampled(self, loss_cotangents: Sequence[jax.Array]) -> tuple[dict, ...]:
         """As `__call__`, for cotangents with a leading samples axis; every
         ``outputs_tangent`` then has that leading axis too."""
-        return self._data(jax.vmap(self.tangents)(tuple(loss_cotangents)))
+        return self._data(jax.vmap(self.tangents)(tuple(loss_cotangents)), batch_axis=1)
+
+
+def _fold_uses(uses: list[dict], batch_axis: int) -> dict:
+    """Merges the data of a layer's uses: inputs, outputs and cotangents are
+    concatenated along the batch axis (for a generic tag, whose cotangent is the
+    parameter gradient, the cotangents of the uses are summed)."""
+    if len(uses) == 1:
+        return uses[0]
+
+    def cat(key, axis):
+        return tuple(
+            jnp.concatenate(arrays, axis) for arrays in zip(*(u[key] for u in uses), strict=True)
+        )
+
+    if not uses[0]["inputs"]:
+        tangents = tuple(sum(ts) for ts in zip(*(u["outputs_tangent"] for u in uses), strict=True))
+        return dict(uses[0], outputs_tangent=tangents)
+    return dict(
+        inputs=cat("inputs", 0),
+        outputs=cat("outputs", 0),
+        params=uses[0]["params"],
+        outputs_tangent=cat("outputs_tangent", batch_axis),
+    )
 
 
 def layer_tags_vjp(
@@ -274,7 +323,8 @@ def layer_tags_vjp(
     predictions, vjp_fn, (records, loss_operands) = jax.vjp(
         lambda p: _forward(traced, flat_args, p), _zero_perturbations(traced), has_aux=True
     )
-    return _make_losses(loss_operands, predictions), LayerTagsVjp(vjp_fn, records)
+    vjp = LayerTagsVjp(vjp_fn, records, traced.use_to_layer)
+    return _make_losses(loss_operands, predictions), vjp
 
 
 def _predictions_of_params(traced: TracedFunction, func_args: Sequence[Any]):

@@ -786,3 +786,47 @@ def test_detected_embedding_block_equals_exact_ggn_block():
     exact = jac.T @ (np.diag(prob) - np.outer(prob, prob)) @ jac
     table = np.arange(28)  # ravel_pytree order: embed/embeddings first
     np.testing.assert_allclose(got[np.ix_(table, table)], exact[np.ix_(table, table)], atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- weight sharing
+
+
+def _tied_loss(params, batch, eps=(0.0, 0.0)):
+    x, t = batch
+    w, b = params["w"], params["b"]
+    h1 = x @ w + jnp.broadcast_to(b, (x.shape[0], 3)) + eps[0]
+    h2 = jnp.tanh(h1) @ w + jnp.broadcast_to(b, (x.shape[0], 3)) + eps[1]
+    logits = kfacx.register_softmax_cross_entropy_loss(jnp.tanh(h2) @ params["out"], t)
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), t[:, None], 1)), (x, h1)
+
+
+def test_tied_weights_are_one_block_with_uses_folded_into_the_batch():
+    """The same dense layer applied twice: one block whose input factor averages the
+    inputs of both uses and whose output factor sums their cotangent moments."""
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    params = dict(
+        w=jax.random.normal(keys[0], (3, 3)),
+        b=0.1 * jax.random.normal(keys[1], (3,)),
+        out=jax.random.normal(keys[2], (3, 4)),
+    )
+    x, t = jax.random.normal(keys[3], (5, 3)), jnp.arange(5) % 4
+    loss = lambda p, batch: _tied_loss(p, batch)[0]  # noqa: E731
+    est = kfacx.BlockDiagonalCurvature(loss)
+    state = est.init(jax.random.PRNGKey(1), (params, (x, t)))
+    state = est.update_curvature_matrix_estimate(
+        state, 0.0, 1.0, None, jax.random.PRNGKey(2), (params, (x, t)), "fisher_empirical"
+    )
+    assert len(est.blocks) == 2 and est.report.unmatched == ()
+    a, g = (np.asarray(f.value[0], np.float64) for f in state.blocks[0].factors)
+
+    # Reference: per-example gradients w.r.t. each use's output, by perturbation.
+    def summed(eps):
+        return _tied_loss(params, (x, t), eps)[0] * x.shape[0]
+
+    eps = (jnp.zeros((5, 3)), jnp.zeros((5, 3)))
+    dy1, dy2 = (np.asarray(d, np.float64) for d in jax.grad(summed)(eps))
+    _, (x1, h1) = _tied_loss(params, (x, t))
+    rows = np.concatenate([np.asarray(x1), np.tanh(np.asarray(h1))], 0)
+    rows = np.concatenate([rows, np.ones((10, 1))], 1)
+    np.testing.assert_allclose(a, rows.T @ rows / 10, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(g, (dy1.T @ dy1 + dy2.T @ dy2) / 5, rtol=1e-4, atol=1e-6)

@@ -365,7 +365,8 @@ def test_computed_parameter_raises():
         tracer.trace(loss_fn, (params, batch))
 
 
-def test_parameter_shared_by_two_tags_raises():
+def test_parameter_shared_by_two_different_layers_raises():
+    """(w1, b1) and (w1,) overlap but are not the same layer: no block can serve both."""
     params, batch = _params(), _batch()
 
     def loss_fn(params, batch):
@@ -376,7 +377,7 @@ def test_parameter_shared_by_two_tags_raises():
         logits = _tagged_dense(jnp.tanh(h + h2), w2, b2)
         return kfacx.register_softmax_cross_entropy_loss(logits, labels).sum()
 
-    with pytest.raises(ValueError, match="two layer tags"):
+    with pytest.raises(ValueError, match="shares parameters with another layer tag"):
         tracer.trace(loss_fn, (params, batch))
 
 

@@ -28,6 +28,9 @@ class LayerInfo:
       output_shapes: shapes of the layer outputs (leading axis: batch).
       meta: the tag's static metadata (e.g. conv strides).
       compute: ``compute(inputs, params, **meta) -> outputs`` or None.
+      num_uses: how many times the layer is applied with these parameters
+        (tied weights); the estimation data of all uses is folded into the
+        batch axis.
     """
 
     tag_name: str
@@ -38,6 +41,7 @@ class LayerInfo:
     output_shapes: tuple[tuple[int, ...], ...] = ()
     meta: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     compute: Callable[..., tuple] | None = None
+    num_uses: int = 1
 
     @property
     def name(self) -> str:

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from kfacx import _jaxpr, tags
 from kfacx._paths import path_to_str
 from kfacx.graph_matcher._defaults import DEFAULT_GRAPH_PATTERNS
-from kfacx.graph_matcher._match import Match, find_matches
+from kfacx.graph_matcher._match import MANUAL, Match, find_matches
 from kfacx.graph_matcher._pattern import GraphPattern
 from kfacx.graph_matcher._report import RegistrationEntry, RegistrationReport
 
@@ -35,8 +35,8 @@ class _Plan:
         return out
 
 
-def _plan(jaxpr, origins, patterns, taken: set[int], notes: list[str]) -> _Plan:
-    matches = find_matches(jaxpr, origins, patterns, taken)
+def _plan(jaxpr, origins, patterns, claims: dict[int, tuple], notes: list[str]) -> _Plan:
+    matches = find_matches(jaxpr, origins, patterns, claims, notes)
     env = dict(zip(jaxpr.invars, origins, strict=True))
     children = {}
     for i, eqn in enumerate(jaxpr.eqns):
@@ -51,7 +51,7 @@ def _plan(jaxpr, origins, patterns, taken: set[int], notes: list[str]) -> _Plan:
                     "not look into yet; they get the fallback block"
                 )
             continue
-        child = _plan(body[0], ins, patterns, taken, notes)
+        child = _plan(body[0], ins, patterns, claims, notes)
         if child.matches or child.children:
             children[i] = child
     return _Plan(matches, children)
@@ -142,9 +142,9 @@ def auto_register_tags(
     ]
 
     manual = _tagged_leaves(closed.jaxpr, origins)
-    taken = set(manual)
+    claims = _manual_claims(closed.jaxpr, origins)
     notes: list[str] = []
-    plan = _plan(closed.jaxpr, origins, list(graph_patterns), taken, notes)
+    plan = _plan(closed.jaxpr, origins, list(graph_patterns), claims, notes)
     sources = {leaf: "manual" for leaf in manual}
     sources.update({leaf: m.pattern.name for m in plan.all_matches() for leaf in m.param_leaves})
     unmatched = [p for i, p in enumerate(paths) if i not in sources]
@@ -172,16 +172,27 @@ def auto_register_tags(
     return tagged, RegistrationReport(entries, tuple(unmatched), tuple(dict.fromkeys(notes)))
 
 
+def _manual_claims(jaxpr, origins) -> dict[int, tuple]:
+    claims = {}
+    for eqn, ins in _jaxpr.walk_tags(jaxpr, origins):
+        tag = tags.layer_tag_for(eqn.primitive)
+        if tag is not None:
+            claims.update({leaf: MANUAL for leaf in tag.split(ins)[2] if leaf is not None})
+    return claims
+
+
 def _tagged_leaves(jaxpr, origins) -> dict[int, tuple[str, int]]:
-    """Parameter leaf -> (tag name, layer index) for every layer tag, in evaluation order."""
+    """Parameter leaf -> (tag name, layer index) for every layer tag, in evaluation order
+    (a layer applied several times with the same parameters is one layer)."""
     out, layer = {}, 0
     for eqn, ins in _jaxpr.walk_tags(jaxpr, origins):
         tag = tags.layer_tag_for(eqn.primitive)
         if tag is None:
             continue
-        for o in tag.split(ins)[2]:
-            if o is not None:
-                out[o] = (tag.name, layer)
+        leaves = [o for o in tag.split(ins)[2] if o is not None]
+        if leaves and all(o in out for o in leaves):
+            continue
+        out.update({o: (tag.name, layer) for o in leaves})
         layer += 1
     return out
 

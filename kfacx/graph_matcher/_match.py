@@ -248,7 +248,17 @@ def _verified(match: Match, graph: _Graph) -> bool:
         )
 
 
-def _try_match(pattern, graph, t_eqn, claimed, taken_leaves) -> Match | None:
+#: The claim of a parameter that is tagged by hand in the model.
+MANUAL = ("manual",)
+
+
+def claim_key(tag_name: str, leaves: Sequence[int], meta: dict) -> tuple:
+    """What a layer claims of its parameters: a later match may share them (tied
+    weights) only if it is the same kind of layer on the same parameters."""
+    return (tag_name, tuple(leaves), tuple(sorted(meta.items())))
+
+
+def _try_match(pattern, graph, t_eqn, claimed, claims, notes) -> Match | None:
     p = pattern.jaxpr
     p_out = p.outvars[0]
     p_last = next((e for e in p.eqns if p_out in e.outvars), None)
@@ -263,7 +273,7 @@ def _try_match(pattern, graph, t_eqn, claimed, taken_leaves) -> Match | None:
     if any(v is None for v in inputs + params) or any(v in params for v in inputs):
         return None
     leaves = [graph.origin[v] for v in params]
-    if len(set(leaves)) != len(leaves) or taken_leaves.intersection(leaves):
+    if len(set(leaves)) != len(leaves):
         return None
     eqns = sorted(state.matched.values(), key=lambda e: graph.order[id(e)])
     if _internal_values_escape(graph, eqns, tv):
@@ -275,21 +285,35 @@ def _try_match(pattern, graph, t_eqn, claimed, taken_leaves) -> Match | None:
     if meta is None:
         return None
     match = Match(pattern, eqns, inputs, params, leaves, tv, dict(meta))
-    return match if _verified(match, graph) else None
+    if not _verified(match, graph):
+        return None
+    key = claim_key(pattern.tag_primitive.name, leaves, match.meta)
+    if any(claims.get(leaf) == MANUAL for leaf in leaves):
+        return None  # Tagged by hand: the user's registration is kept as it is.
+    if any(claims.get(leaf, key) != key for leaf in leaves):
+        notes.append(
+            f"a `{pattern.name}` layer reuses parameters of a different kind of layer; only the "
+            "first use is tagged, so the curvature misses the others"
+        )
+        return None
+    return match
 
 
 def find_matches(
     jaxpr: jex.core.Jaxpr,
     origins: Sequence[Any],
     patterns: Sequence[GraphPattern],
-    taken_leaves: set[int],
+    claims: dict[int, tuple],
+    notes: list[str] | None = None,
 ) -> list[Match]:
     """All non-overlapping matches in one jaxpr (not its sub-jaxprs).
 
     Patterns are tried by decreasing precedence; an equation belongs to at most
-    one match and a parameter leaf to at most one match (``taken_leaves`` is
-    updated with the leaves of the new matches).
+    one match. ``claims`` maps parameter leaves to the `claim_key` of the layer
+    that owns them: a new match may only reuse parameters as the same kind of
+    layer (tied weights); ``claims`` is updated with the new matches.
     """
+    notes = [] if notes is None else notes
     graph = _Graph(jaxpr, origins)
     claimed: set[int] = set()
     matches = []
@@ -297,10 +321,11 @@ def find_matches(
         for eqn in jaxpr.eqns:
             if id(eqn) in claimed:
                 continue
-            match = _try_match(pattern, graph, eqn, claimed, taken_leaves)
+            match = _try_match(pattern, graph, eqn, claimed, claims, notes)
             if match is None:
                 continue
             matches.append(match)
             claimed.update(id(e) for e in match.eqns)
-            taken_leaves.update(match.param_leaves)
+            key = claim_key(pattern.tag_primitive.name, match.param_leaves, match.meta)
+            claims.update({leaf: key for leaf in match.param_leaves})
     return matches
