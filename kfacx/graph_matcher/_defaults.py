@@ -31,6 +31,19 @@ def dense_parameters_extractor(eqns: Sequence[Any]) -> dict[str, Any]:
     return tags.dense_meta(x.shape, w.shape, eqn.params["dimension_numbers"])
 
 
+def weight_first_dense_parameters_extractor(eqns: Sequence[Any]) -> dict[str, Any]:
+    """Reads the contraction of ``dot_general(w, x)`` followed by a transpose (as
+    in ``jax.vmap`` of ``w @ x``, e.g. Equinox's Linear) as a dense layer ``x . w``.
+
+    Raises:
+      ValueError: for batched contractions.
+    """
+    eqn = _find(eqns, "dot_general")
+    w, x = (v.aval for v in eqn.invars)
+    (w_axes, x_axes), batch = eqn.params["dimension_numbers"]
+    return tags.dense_meta(x.shape, w.shape, ((x_axes, w_axes), batch))
+
+
 def conv_parameters_extractor(eqns: Sequence[Any]) -> dict[str, Any]:
     """Reads strides, padding, dilations, layout and groups of the matched convolution.
 
@@ -112,6 +125,26 @@ DENSE_WITH_BIAS = GraphPattern(
     example_args=[_z(2, 3), [_z(3, 4), _z(4)]],
     precedence=30,
 )
+def _weight_first(x, w):
+    return jax.lax.dot_general(w, x, (((1,), (1,)), ((), ()))).T
+
+
+WEIGHT_FIRST_DENSE_WITH_BIAS = GraphPattern(
+    name="weight_first_dense_with_bias",
+    tag_primitive=tags.dense,
+    compute_func=lambda x, p: _weight_first(x, p[0]) + p[1],
+    parameters_extractor_func=weight_first_dense_parameters_extractor,
+    example_args=[_z(2, 3), [_z(4, 3), _z(4)]],
+    precedence=30,
+)
+WEIGHT_FIRST_DENSE = GraphPattern(
+    name="weight_first_dense",
+    tag_primitive=tags.dense,
+    compute_func=lambda x, p: _weight_first(x, p[0]),
+    parameters_extractor_func=weight_first_dense_parameters_extractor,
+    example_args=[_z(2, 3), [_z(4, 3)]],
+    precedence=12,
+)
 CONV_WITH_BIAS = GraphPattern(
     name="conv_with_bias",
     tag_primitive=tags.conv,
@@ -191,10 +224,12 @@ SHIFT = GraphPattern(
 #: The built-in patterns, in precedence order.
 DEFAULT_GRAPH_PATTERNS: tuple[GraphPattern, ...] = (
     DENSE_WITH_BIAS,
+    WEIGHT_FIRST_DENSE_WITH_BIAS,
     CONV_WITH_BIAS,
     NORMALIZATION,
     SCALE_AND_SHIFT,
     NORMALIZATION_SCALE,
+    WEIGHT_FIRST_DENSE,
     DENSE,
     CONV,
     EMBEDDING,
