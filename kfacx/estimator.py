@@ -145,6 +145,11 @@ class BlockDiagonalCurvature:
                 "expected graph_patterns and/or on_unmatched."
             )
         on_unmatched = self.auto_register_kwargs.get("on_unmatched", "warn")
+        if on_unmatched not in graph_matcher.ON_UNMATCHED:
+            raise ValueError(
+                f"auto_register_kwargs: on_unmatched={on_unmatched!r}; choose one of "
+                f"{graph_matcher.ON_UNMATCHED}."
+            )
         if on_unmatched == "full" and "generic_tag" not in (layer_tag_to_block_ctor or {}):
             self.layer_tag_to_block_ctor["generic_tag"] = blocks_lib.Full
         self._traced: tracer.TracedFunction | None = None

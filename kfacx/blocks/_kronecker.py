@@ -212,6 +212,13 @@ def _second_moment(rows: jax.Array, normalizer: Any) -> jax.Array:
     return jnp.einsum("rgi,rgj->gij", rows, rows) / normalizer
 
 
+def _strip_leading_ones(shape: Sequence[int]) -> tuple[int, ...]:
+    shape = tuple(shape)
+    while shape and shape[0] == 1:
+        shape = shape[1:]
+    return shape
+
+
 class DenseTwoKroneckerFactored(TwoKroneckerFactored):
     """K-FAC block of a dense layer ``y = dot_general(x, w) + b``.
 
@@ -235,7 +242,7 @@ class DenseTwoKroneckerFactored(TwoKroneckerFactored):
         out_shape = tuple(w_shape[i] for i in self.w_free)
         ok = len(shapes) in (1, 2) and len(w_shape) >= 2 and bool(self.w_free)
         if ok and len(shapes) == 2:
-            ok = shapes[1] == out_shape
+            ok = _strip_leading_ones(shapes[1]) == _strip_leading_ones(out_shape)
         if not ok:
             raise ValueError(
                 f"DenseTwoKroneckerFactored({layer.name}): expected parameters (w) or (w, b) with "

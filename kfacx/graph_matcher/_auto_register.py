@@ -35,7 +35,7 @@ class _Plan:
         return out
 
 
-def _plan(jaxpr, origins, patterns, claims: dict[int, tuple], notes: list[str]) -> _Plan:
+def _plan(jaxpr, origins, patterns, claims: dict[int, tuple], notes: list) -> _Plan:
     matches = find_matches(jaxpr, origins, patterns, claims, notes)
     env = dict(zip(jaxpr.invars, origins, strict=True))
     children = {}
@@ -47,8 +47,11 @@ def _plan(jaxpr, origins, patterns, claims: dict[int, tuple], notes: list[str]) 
         if body is None:
             if any(True for _ in _jaxpr.sub_jaxprs(eqn)):
                 notes.append(
-                    f"parameters enter a `{eqn.primitive.name}` primitive, which detection does "
-                    "not look into yet; they get the fallback block"
+                    (
+                        f"parameters enter a `{eqn.primitive.name}` primitive, which detection "
+                        "does not look into yet; those used only there get the fallback block",
+                        tuple(o for o in ins if o is not None),
+                    )
                 )
             continue
         child = _plan(body[0], ins, patterns, claims, notes)
@@ -77,7 +80,9 @@ def _evaluate(jaxpr, consts, args, plan: _Plan):
         env[v] = val
     for i, eqn in enumerate(jaxpr.eqns):
         invals = [read(v) for v in eqn.invars]
-        if i in plan.children:
+        if i in plan.children and eqn.primitive.name in _CUSTOM_DERIVATIVES:
+            outvals = _rebind_custom(eqn, invals, plan.children[i])
+        elif i in plan.children:
             body, body_consts = _jaxpr.call_body(eqn)
             outvals = _evaluate(body, body_consts, invals, plan.children[i])
         else:
@@ -90,6 +95,18 @@ def _evaluate(jaxpr, consts, args, plan: _Plan):
                 val = match.pattern.tag_primitive.bind(val, *x, *p, **match.meta)[0]
             env[v] = val
     return [read(v) for v in jaxpr.outvars]
+
+
+_CUSTOM_DERIVATIVES = ("custom_jvp_call", "custom_vjp_call")
+
+
+def _rebind_custom(eqn, invals, plan: _Plan):
+    """Binds a custom-derivative call with a tagged body, keeping its derivative rules."""
+    body, consts = _jaxpr.call_body(eqn)
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in body.invars]
+    tagged_body = jax.make_jaxpr(lambda *a: _evaluate(body, consts, a, plan))(*avals)
+    new = eqn.replace(params=dict(eqn.params, call_jaxpr=tagged_body))
+    return _jaxpr.bind_eqn(new, invals)
 
 
 def auto_register_tags(
@@ -143,8 +160,13 @@ def auto_register_tags(
 
     manual = _tagged_leaves(closed.jaxpr, origins)
     claims = _manual_claims(closed.jaxpr, origins)
-    notes: list[str] = []
-    plan = _plan(closed.jaxpr, origins, list(graph_patterns), claims, notes)
+    raw_notes: list[tuple[str, tuple[int, ...]]] = []
+    plan = _plan(closed.jaxpr, origins, list(graph_patterns), claims, raw_notes)
+    notes = tuple(
+        dict.fromkeys(f"{text}: {[paths[i] for i in leaves]}" for text, leaves in raw_notes)
+    )
+    for note in notes:
+        warnings.warn(f"kfacx: {note}", stacklevel=2)
     sources = {leaf: "manual" for leaf in manual}
     sources.update({leaf: m.pattern.name for m in plan.all_matches() for leaf in m.param_leaves})
     unmatched = [p for i, p in enumerate(paths) if i not in sources]
@@ -169,7 +191,7 @@ def auto_register_tags(
         RegistrationEntry(path, *final[i], source=sources.get(i, "unmatched"))
         for i, path in enumerate(paths)
     )
-    return tagged, RegistrationReport(entries, tuple(unmatched), tuple(dict.fromkeys(notes)))
+    return tagged, RegistrationReport(entries, tuple(unmatched), notes)
 
 
 def _manual_claims(jaxpr, origins) -> dict[int, tuple]:

@@ -44,6 +44,26 @@ def weight_first_dense_parameters_extractor(eqns: Sequence[Any]) -> dict[str, An
     return tags.dense_meta(x.shape, w.shape, ((x_axes, w_axes), batch))
 
 
+def transposed_weight_dense_parameters_extractor(eqns: Sequence[Any]) -> dict[str, Any]:
+    """Reads ``x @ transpose(w)`` as a dense layer on the stored weight ``w``.
+
+    Raises:
+      ValueError: for batched contractions.
+    """
+    transpose, dot = _find(eqns, "transpose"), _find(eqns, "dot_general")
+    perm = transpose.params["permutation"]
+    x, w_t = (v.aval for v in dot.invars)
+    (x_axes, wt_axes), batch = dot.params["dimension_numbers"]
+    w_shape = transpose.invars[0].aval.shape
+    w_axes = tuple(perm[a] for a in wt_axes)
+    meta = tags.dense_meta(x.shape, w_shape, ((x_axes, w_axes), batch))
+    # The output keeps the transposed weight's free-axis order: it must be the stored one.
+    free_t = [perm[a] for a in range(w_t.ndim) if a not in wt_axes]
+    if free_t != sorted(free_t):
+        raise ValueError("transposed free axes")
+    return meta
+
+
 def conv_parameters_extractor(eqns: Sequence[Any]) -> dict[str, Any]:
     """Reads strides, padding, dilations, layout and groups of the matched convolution.
 
@@ -125,6 +145,8 @@ DENSE_WITH_BIAS = GraphPattern(
     example_args=[_z(2, 3), [_z(3, 4), _z(4)]],
     precedence=30,
 )
+
+
 def _weight_first(x, w):
     return jax.lax.dot_general(w, x, (((1,), (1,)), ((), ()))).T
 
@@ -142,6 +164,22 @@ WEIGHT_FIRST_DENSE = GraphPattern(
     tag_primitive=tags.dense,
     compute_func=lambda x, p: _weight_first(x, p[0]),
     parameters_extractor_func=weight_first_dense_parameters_extractor,
+    example_args=[_z(2, 3), [_z(4, 3)]],
+    precedence=12,
+)
+TRANSPOSED_WEIGHT_DENSE_WITH_BIAS = GraphPattern(
+    name="transposed_weight_dense_with_bias",
+    tag_primitive=tags.dense,
+    compute_func=lambda x, p: jnp.matmul(x, p[0].T) + p[1],
+    parameters_extractor_func=transposed_weight_dense_parameters_extractor,
+    example_args=[_z(2, 3), [_z(4, 3), _z(4)]],
+    precedence=30,
+)
+TRANSPOSED_WEIGHT_DENSE = GraphPattern(
+    name="transposed_weight_dense",
+    tag_primitive=tags.dense,
+    compute_func=lambda x, p: jnp.matmul(x, p[0].T),
+    parameters_extractor_func=transposed_weight_dense_parameters_extractor,
     example_args=[_z(2, 3), [_z(4, 3)]],
     precedence=12,
 )
@@ -225,11 +263,13 @@ SHIFT = GraphPattern(
 DEFAULT_GRAPH_PATTERNS: tuple[GraphPattern, ...] = (
     DENSE_WITH_BIAS,
     WEIGHT_FIRST_DENSE_WITH_BIAS,
+    TRANSPOSED_WEIGHT_DENSE_WITH_BIAS,
     CONV_WITH_BIAS,
     NORMALIZATION,
     SCALE_AND_SHIFT,
     NORMALIZATION_SCALE,
     WEIGHT_FIRST_DENSE,
+    TRANSPOSED_WEIGHT_DENSE,
     DENSE,
     CONV,
     EMBEDDING,

@@ -292,8 +292,12 @@ def _try_match(pattern, graph, t_eqn, claimed, claims, notes) -> Match | None:
         return None  # Tagged by hand: the user's registration is kept as it is.
     if any(claims.get(leaf, key) != key for leaf in leaves):
         notes.append(
-            f"a `{pattern.name}` layer reuses parameters of a different kind of layer; only the "
-            "first use is tagged, so the curvature misses the others"
+            (
+                f"a `{pattern.name}` layer reuses parameters of a different kind of layer (e.g. "
+                "a weight used as w and as w.T); only the first use is tagged, so the curvature "
+                "misses the others",
+                tuple(leaves),
+            )
         )
         return None
     return match
@@ -304,14 +308,15 @@ def find_matches(
     origins: Sequence[Any],
     patterns: Sequence[GraphPattern],
     claims: dict[int, tuple],
-    notes: list[str] | None = None,
+    notes: list[tuple[str, tuple[int, ...]]] | None = None,
 ) -> list[Match]:
     """All non-overlapping matches in one jaxpr (not its sub-jaxprs).
 
     Patterns are tried by decreasing precedence; an equation belongs to at most
     one match. ``claims`` maps parameter leaves to the `claim_key` of the layer
     that owns them: a new match may only reuse parameters as the same kind of
-    layer (tied weights); ``claims`` is updated with the new matches.
+    layer (tied weights); ``claims`` is updated with the new matches. Parameter
+    reuse that cannot be served is appended to ``notes`` as ``(text, leaves)``.
     """
     notes = [] if notes is None else notes
     graph = _Graph(jaxpr, origins)

@@ -136,6 +136,11 @@ def dense_meta(
     return dict(dimension_numbers=((lc, rc), ((), ())))
 
 
+def _without_leading_ones(shape: Sequence[int]) -> tuple[int, ...]:
+    shape = tuple(shape)
+    return shape[next((i for i, d in enumerate(shape) if d != 1), len(shape)) :]
+
+
 def register_dense(
     y: jax.Array,
     x: jax.Array,
@@ -154,7 +159,8 @@ def register_dense(
       y: the layer output, shape ``x``'s free axes followed by ``w``'s free axes.
       x: the layer input (leading axes: batch, and e.g. sequence positions).
       w: the weight.
-      b: optional bias, shaped like ``w``'s free (output) axes.
+      b: optional bias, shaped like ``w``'s free (output) axes (leading axes
+        of size 1 are allowed, e.g. ``[1, d_out]``).
       dimension_numbers: `jax.lax.dot_general` dimension numbers
         ``((x_axes, w_axes), ((), ()))``; default ``(((x.ndim - 1,), (0,)), ((), ()))``.
 
@@ -177,7 +183,7 @@ def register_dense(
         raise _shape_error(
             "register_dense", "y", y.shape, f"{x_free + w_free}", "Pass the layer output as y."
         )
-    if b is not None and tuple(b.shape) != w_free:
+    if b is not None and _without_leading_ones(b.shape) != _without_leading_ones(w_free):
         raise _shape_error(
             "register_dense", "b", b.shape, f"{w_free}", "The bias has the weight's output axes."
         )
