@@ -490,13 +490,23 @@ def test_dense_kronecker_rejects_bad_parameters():
     for params, meta in [
         ((jnp.zeros(4),), {}),  # 1-D weight.
         ((jnp.zeros((4, 3)), jnp.zeros((4,))), {}),  # Bias of the wrong size.
-        ((jnp.zeros((4, 3)), jnp.zeros((1, 3))), {}),  # Bias of the wrong rank.
+        ((jnp.zeros((4, 3)), jnp.zeros((3, 1))), {}),  # Bias of the wrong layout.
         ((jnp.zeros((4, 2, 3)), jnp.zeros((3,))), {}),  # Bias without all output axes.
         ((jnp.zeros((4, 3)),), {"dimension_numbers": (((1, 2), (0, 1)), ((), ()))}),  # No output.
         ((jnp.zeros((4, 3)), jnp.zeros((4,))), {"dimension_numbers": dnums}),
     ]:
         with pytest.raises(ValueError, match=r"expected parameters \(w\) or \(w, b\)"):
             KF(blocks.LayerInfo.from_params("dense_tag", params, meta=meta))
+
+
+def test_dense_kronecker_accepts_row_vector_bias():
+    """A ``[1, d_out]`` bias (leading axes of size 1) is the same bias row."""
+    w, b = jnp.arange(12.0).reshape(4, 3), jnp.arange(3.0).reshape(1, 3)
+    block = KF(blocks.LayerInfo.from_params("dense_tag", (w, b)))
+    m = block.params_to_matrix((w, b))
+    np.testing.assert_array_equal(m[0, 4], b[0])
+    for p, q in zip(block.matrix_to_params(m), (w, b), strict=True):
+        np.testing.assert_array_equal(p, q)
 
 
 def test_dense_kronecker_multi_axis_weight_layout():

@@ -621,8 +621,10 @@ def test_register_dense_rejects_wrong_bias():
     x, w, _ = _dense_data()
     with pytest.raises(ValueError, match=r"register_dense: b has shape \(3,\), expected \(2,\)"):
         tags.register_dense(x @ w, x, w, np.ones((3,), np.float32))
-    with pytest.raises(ValueError, match=r"register_dense: b has shape \(1, 2\)"):
-        tags.register_dense(x @ w, x, w, np.ones((1, 2), np.float32))
+    with pytest.raises(ValueError, match=r"register_dense: b has shape \(2, 2\)"):
+        tags.register_dense(x @ w, x, w, np.ones((2, 2), np.float32))
+    # Leading axes of size 1 are allowed: a [1, d_out] row is the same bias.
+    assert tags.register_dense(x @ w, x, w, np.ones((1, 2), np.float32)).shape == (4, 2)
 
 
 def _conv_data():
