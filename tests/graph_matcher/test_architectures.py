@@ -1,0 +1,84 @@
+"""Whole architectures: every parameter matched to a non-fallback tag."""
+
+from __future__ import annotations
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.flatten_util import ravel_pytree
+
+import kfacx
+
+
+def _xent(logits, labels):
+    logits = kfacx.register_softmax_cross_entropy_loss(logits, labels)
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], 1))
+
+
+def _transformer_block(x):
+    h = hk.LayerNorm(-1, True, True)(x)
+    h = hk.MultiHeadAttention(num_heads=2, key_size=4, w_init=hk.initializers.VarianceScaling())(
+        h, h, h
+    )
+    x = x + h
+    h = hk.nets.MLP([16, 8])(hk.LayerNorm(-1, True, True)(x))
+    x = hk.RMSNorm(-1)(x + h)
+    return hk.Linear(5)(x[:, 0])
+
+
+def _resnet_block(x, is_training=True):
+    h = hk.Conv2D(4, 3, with_bias=False)(x)
+    h = jax.nn.relu(hk.BatchNorm(True, True, 0.9)(h, is_training))
+    h = hk.Conv2D(4, 3, with_bias=False)(h)
+    h = hk.BatchNorm(True, True, 0.9)(h, is_training)
+    shortcut = hk.Conv2D(4, 1)(x)
+    h = jax.nn.relu(h + shortcut)
+    return hk.Linear(3)(jnp.mean(h, axis=(1, 2)))
+
+
+def _check(loss, params, batch):
+    tagged, report = kfacx.auto_register_tags(loss, (params, batch), on_unmatched="error")
+    assert report.unmatched == () and report.matched_fraction == 1.0, str(report)
+    np.testing.assert_allclose(tagged(params, batch), loss(params, batch), rtol=1e-5)
+    g_tagged, g = jax.grad(tagged)(params, batch), jax.grad(loss)(params, batch)
+    np.testing.assert_allclose(ravel_pytree(g_tagged)[0], ravel_pytree(g)[0], atol=1e-5)
+    return report
+
+
+def test_transformer_block_is_fully_matched():
+    net = hk.without_apply_rng(hk.transform(_transformer_block))
+    x = np.random.default_rng(0).standard_normal((3, 4, 8)).astype(np.float32)
+    labels = np.arange(3) % 5
+    params = net.init(jax.random.PRNGKey(0), x)
+    report = _check(lambda p, b: _xent(net.apply(p, b[0]), b[1]), params, (x, labels))
+    tags = {e.path: e.tag for e in report.entries}
+    assert tags["multi_head_attention/query/w"] == "dense_tag"
+    assert tags["rms_norm/scale"] == "scale_and_shift_tag"
+    assert sum(t == "dense_tag" for t in tags.values()) == 14  # q, k, v, out, 2 mlp, head (w, b)
+
+
+def test_resnet_block_with_batch_norm_state_is_fully_matched():
+    net = hk.transform_with_state(_resnet_block)
+    x = np.random.default_rng(1).standard_normal((2, 6, 6, 3)).astype(np.float32)
+    labels = np.arange(2) % 3
+    params, state = net.init(jax.random.PRNGKey(0), x)
+
+    def loss(p, batch):
+        logits, _ = net.apply(p, state, None, batch[0])
+        return _xent(logits, batch[1])
+
+    report = _check(loss, params, (x, labels))
+    sources = {e.path: e.source for e in report.entries}
+    assert sources["batch_norm/scale"] == "normalization"
+    assert sources["conv2_d/w"] == "conv"
+    assert sources["conv2_d_2/w"] == "conv_with_bias"
+    est = kfacx.BlockDiagonalCurvature(loss)
+    curvature = est.init(jax.random.PRNGKey(0), (params, (x, labels)))
+    curvature = est.update_curvature_matrix_estimate(
+        curvature, 0.0, 1.0, None, jax.random.PRNGKey(1), (params, (x, labels))
+    )
+    curvature = est.update_cache(curvature, 1e-3)
+    grads = jax.grad(loss)(params, (x, labels))
+    step = est.multiply_inverse(curvature, grads, 1e-3, use_cached=True)
+    assert np.all(np.isfinite(ravel_pytree(step)[0]))
