@@ -14,6 +14,9 @@ import numpy as np
 
 Params = tuple[jax.Array, ...]
 
+#: Cache fields of the approximate (factored-damping) powers a block can cache.
+APPROX_POWER_FIELDS = {-1.0: "inverse", -0.5: "inverse_sqrt"}
+
 
 @dataclasses.dataclass(frozen=True)
 class LayerInfo:
@@ -294,6 +297,26 @@ class CurvatureBlock(abc.ABC):
                 f"{self.parameters_shapes}."
             )
         return vector
+
+    def _approx_cached_or_now(
+        self, state: BlockState, power: float, use_cached: bool, compute_now: Callable[[], Any]
+    ) -> Any:
+        """The cached approximate power ``power`` (fields ``inverse`` / ``inverse_sqrt``
+        of the cache), or ``compute_now()`` when ``use_cached`` is False."""
+        field = APPROX_POWER_FIELDS.get(power)
+        if field is None:
+            raise self._unsupported_power(power, "with exact_power=False")
+        if not use_cached:
+            return compute_now()
+        value = getattr(state.cache, field)
+        if value is None:
+            raise self._missing_cache(f"the power {power}", f"approx_powers_to_cache=({power},)")
+        return value
+
+    def _check_approx_powers(self, powers: Sequence[float]) -> None:
+        for p in powers:
+            if float(p) not in APPROX_POWER_FIELDS:
+                raise self._unsupported_power(p, "in approx_powers_to_cache")
 
     def _unsupported_power(self, power: float, how: str) -> ValueError:
         return ValueError(

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from kfacx import linalg
-from kfacx.blocks._base import BlockState, CurvatureBlock, LayerInfo
+from kfacx.blocks._base import APPROX_POWER_FIELDS, BlockState, CurvatureBlock, LayerInfo
 
 
 class EmbeddingEigen(NamedTuple):
@@ -38,9 +38,6 @@ class EmbeddingCache(NamedTuple):
     eigen: EmbeddingEigen | None
     inverse: EmbeddingPair | None
     inverse_sqrt: EmbeddingPair | None
-
-
-_APPROX_FIELDS = {-1.0: "inverse", -0.5: "inverse_sqrt"}
 
 
 class EmbeddingKroneckerFactored(CurvatureBlock):
@@ -74,9 +71,7 @@ class EmbeddingKroneckerFactored(CurvatureBlock):
     # ---------------------------------------------------------------- cache
 
     def init_cache(self, exact_powers_to_cache, approx_powers_to_cache, cache_eigenvalues):
-        for p in approx_powers_to_cache:
-            if float(p) not in _APPROX_FIELDS:
-                raise self._unsupported_power(p, "in approx_powers_to_cache")
+        self._check_approx_powers(approx_powers_to_cache)
         v, d = self.vocab, self.width
         eigen = None
         if exact_powers_to_cache or cache_eigenvalues:
@@ -85,7 +80,7 @@ class EmbeddingKroneckerFactored(CurvatureBlock):
             field: EmbeddingPair(jnp.zeros((v,), self.dtype), jnp.zeros((d, d), self.dtype))
             if power in map(float, approx_powers_to_cache)
             else None
-            for power, field in _APPROX_FIELDS.items()
+            for power, field in APPROX_POWER_FIELDS.items()
         }
         return EmbeddingCache(eigen=eigen, **pairs)
 
@@ -94,7 +89,7 @@ class EmbeddingKroneckerFactored(CurvatureBlock):
         cache: EmbeddingCache = state.cache
         if cache.eigen is not None:
             cache = cache._replace(eigen=EmbeddingEigen(*linalg.safe_eigh(g)))
-        for power, field in _APPROX_FIELDS.items():
+        for power, field in APPROX_POWER_FIELDS.items():
             if getattr(cache, field) is not None:
                 pair = self._approx_pair_now(a, g, identity_weight, power)
                 cache = cache._replace(**{field: pair})
@@ -137,16 +132,10 @@ class EmbeddingKroneckerFactored(CurvatureBlock):
         return ((w @ vecs) * scale) @ vecs.T
 
     def _approx_pair(self, state, identity_weight, power, use_cached) -> EmbeddingPair:
-        field = _APPROX_FIELDS.get(power)
-        if field is None:
-            raise self._unsupported_power(power, "with exact_power=False")
-        if not use_cached:
-            a, g = (f.value for f in state.factors)
-            return self._approx_pair_now(a, g, identity_weight, power)
-        pair = getattr(state.cache, field)
-        if pair is None:
-            raise self._missing_cache(f"the power {power}", f"approx_powers_to_cache=({power},)")
-        return pair
+        a, g = (f.value for f in state.factors)
+        return self._approx_cached_or_now(
+            state, power, use_cached, lambda: self._approx_pair_now(a, g, identity_weight, power)
+        )
 
     def to_dense_matrix(self, state):
         a, g = (f.value for f in state.factors)

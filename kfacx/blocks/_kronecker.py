@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kfacx import linalg
-from kfacx.blocks._base import BlockState, CurvatureBlock, LayerInfo, Params
+from kfacx.blocks._base import APPROX_POWER_FIELDS, BlockState, CurvatureBlock, LayerInfo, Params
 
 
 class KroneckerEigen(NamedTuple):
@@ -48,9 +48,6 @@ class KroneckerCache(NamedTuple):
     eigen: KroneckerEigen | None
     inverse: KroneckerPair | None
     inverse_sqrt: KroneckerPair | None
-
-
-_APPROX_FIELDS = {-1.0: "inverse", -0.5: "inverse_sqrt"}
 
 
 class TwoKroneckerFactored(CurvatureBlock):
@@ -93,9 +90,7 @@ class TwoKroneckerFactored(CurvatureBlock):
     # ---------------------------------------------------------------- cache
 
     def init_cache(self, exact_powers_to_cache, approx_powers_to_cache, cache_eigenvalues):
-        for p in approx_powers_to_cache:
-            if float(p) not in _APPROX_FIELDS:
-                raise self._unsupported_power(p, "in approx_powers_to_cache")
+        self._check_approx_powers(approx_powers_to_cache)
         (g, n, _), (_, m, _) = self.factor_shapes()
 
         def zeros(*shape):
@@ -108,7 +103,7 @@ class TwoKroneckerFactored(CurvatureBlock):
             field: KroneckerPair(zeros(g, n, n), zeros(g, m, m))
             if power in map(float, approx_powers_to_cache)
             else None
-            for power, field in _APPROX_FIELDS.items()
+            for power, field in APPROX_POWER_FIELDS.items()
         }
         return KroneckerCache(eigen=eigen, **pairs)
 
@@ -156,16 +151,10 @@ class TwoKroneckerFactored(CurvatureBlock):
         return state.cache.eigen
 
     def _approx_pair(self, state, identity_weight, power, use_cached) -> KroneckerPair:
-        field = _APPROX_FIELDS.get(power)
-        if field is None:
-            raise self._unsupported_power(power, "with exact_power=False")
-        if not use_cached:
-            a, g = (f.value for f in state.factors)
-            return self._approx_factors(a, g, identity_weight, power)
-        pair = getattr(state.cache, field)
-        if pair is None:
-            raise self._missing_cache(f"the power {power}", f"approx_powers_to_cache=({power},)")
-        return pair
+        a, g = (f.value for f in state.factors)
+        return self._approx_cached_or_now(
+            state, power, use_cached, lambda: self._approx_factors(a, g, identity_weight, power)
+        )
 
     @staticmethod
     def _exact_matpower(eigen: KroneckerEigen, v, identity_weight, power):
