@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from kfacx import _jaxpr, losses, tags
-from kfacx._paths import path_to_str
+from kfacx._paths import check_float_params, path_to_str
 from kfacx.blocks import LayerInfo
 
 
@@ -99,6 +99,7 @@ def trace(
     in_tree = jax.tree_util.tree_structure(func_args)
     path_leaves, params_tree = jax.tree_util.tree_flatten_with_path(func_args[params_index])
     param_paths = tuple(path_to_str(p) for p, _ in path_leaves)
+    check_float_params(param_paths, [leaf for _, leaf in path_leaves])
     start, stop = _param_leaf_range(func_args, params_index)
     origins = [i - start if start <= i < stop else None for i in range(len(closed.jaxpr.invars))]
 

@@ -31,7 +31,7 @@ def test_ruff_lint_and_format():
     ruff = shutil.which("ruff") or str(pathlib.Path(sys.executable).parent / "ruff")
     if not pathlib.Path(ruff).exists():
         pytest.skip("ruff is not installed (it is in the `test` extra)")
-    targets = ["kfacx", "tests", "examples"]
+    targets = ["kfacx", "tests", "examples", "benchmarks"]
     lint = subprocess.run([ruff, "check", *targets], cwd=ROOT, capture_output=True, text=True)
     assert lint.returncode == 0, lint.stdout + lint.stderr
     fmt = subprocess.run(

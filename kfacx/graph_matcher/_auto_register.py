@@ -12,9 +12,9 @@ import jax.extend as jex
 import jax.numpy as jnp
 
 from kfacx import _jaxpr, tags
-from kfacx._paths import path_to_str
+from kfacx._paths import check_float_params, path_to_str
 from kfacx.graph_matcher._defaults import DEFAULT_GRAPH_PATTERNS
-from kfacx.graph_matcher._match import MANUAL, Match, find_matches
+from kfacx.graph_matcher._match import MANUAL, AmbiguousPatternsError, Match, find_matches
 from kfacx.graph_matcher._pattern import GraphPattern
 from kfacx.graph_matcher._report import RegistrationEntry, RegistrationReport
 
@@ -149,10 +149,12 @@ def auto_register_tags(
     for p in graph_patterns:
         if not isinstance(p, GraphPattern):
             raise TypeError(f"graph_patterns must hold GraphPattern objects, got {p!r}.")
+        _ = p.jaxpr  # Fails early, with the pattern's name, if it does not trace.
     func_args = tuple(func_args)
     closed, out_shape = jax.make_jaxpr(func, return_shape=True)(*_specs(func_args))
     path_leaves, _ = jax.tree_util.tree_flatten_with_path(func_args[params_index])
     paths = [path_to_str(p) for p, _ in path_leaves]
+    check_float_params(paths, [leaf for _, leaf in path_leaves])
     start = sum(len(jax.tree_util.tree_leaves(a)) for a in func_args[:params_index])
     origins = [
         i - start if 0 <= i - start < len(paths) else None for i in range(len(closed.jaxpr.invars))
@@ -161,7 +163,10 @@ def auto_register_tags(
     manual = _tagged_leaves(closed.jaxpr, origins)
     claims = _manual_claims(closed.jaxpr, origins)
     raw_notes: list[tuple[str, tuple[int, ...]]] = []
-    plan = _plan(closed.jaxpr, origins, list(graph_patterns), claims, raw_notes)
+    try:
+        plan = _plan(closed.jaxpr, origins, list(graph_patterns), claims, raw_notes)
+    except AmbiguousPatternsError as e:
+        raise ValueError(f"{e} Parameters: {[paths[i] for i in e.leaves]}.") from e
     notes = tuple(
         dict.fromkeys(f"{text}: {[paths[i] for i in leaves]}" for text, leaves in raw_notes)
     )

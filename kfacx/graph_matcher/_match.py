@@ -321,16 +321,59 @@ def find_matches(
     notes = [] if notes is None else notes
     graph = _Graph(jaxpr, origins)
     claimed: set[int] = set()
-    matches = []
-    for pattern in sorted(patterns, key=lambda p: -p.precedence):
-        for eqn in jaxpr.eqns:
-            if id(eqn) in claimed:
-                continue
-            match = _try_match(pattern, graph, eqn, claimed, claims, notes)
-            if match is None:
-                continue
-            matches.append(match)
-            claimed.update(id(e) for e in match.eqns)
-            key = claim_key(pattern.tag_primitive.name, match.param_leaves, match.meta)
-            claims.update({leaf: key for leaf in match.param_leaves})
+    matches: list[Match] = []
+    for precedence in sorted({p.precedence for p in patterns}, reverse=True):
+        group = [p for p in patterns if p.precedence == precedence]
+        found = [_match_pattern(p, graph, set(claimed), dict(claims), notes) for p in group]
+        _check_unambiguous(group, found)
+        for pattern_matches in found:
+            for match in pattern_matches:
+                matches.append(match)
+                claimed.update(id(e) for e in match.eqns)
+                key = claim_key(match.pattern.tag_primitive.name, match.param_leaves, match.meta)
+                claims.update({leaf: key for leaf in match.param_leaves})
     return matches
+
+
+def _match_pattern(pattern, graph: _Graph, claimed: set[int], claims: dict, notes) -> list[Match]:
+    """All matches of one pattern, given what higher-precedence patterns claimed."""
+    out = []
+    for eqn in graph.jaxpr.eqns:
+        if id(eqn) in claimed:
+            continue
+        match = _try_match(pattern, graph, eqn, claimed, claims, notes)
+        if match is None:
+            continue
+        out.append(match)
+        claimed.update(id(e) for e in match.eqns)
+        key = claim_key(pattern.tag_primitive.name, match.param_leaves, match.meta)
+        claims.update({leaf: key for leaf in match.param_leaves})
+    return out
+
+
+class AmbiguousPatternsError(ValueError):
+    """Two patterns of equal precedence match the same equations or parameters."""
+
+    def __init__(self, first: GraphPattern, second: GraphPattern, leaves: Sequence[int]):
+        self.patterns = (first, second)
+        self.leaves = tuple(leaves)
+        super().__init__(
+            f"Patterns {first.name!r} and {second.name!r} (both precedence {first.precedence}) "
+            f"match the same layer (parameter leaves {self.leaves}); give one of them a higher "
+            "precedence, or remove one."
+        )
+
+
+def _check_unambiguous(group: Sequence[GraphPattern], found: Sequence[list[Match]]) -> None:
+    owner_eqn: dict[int, GraphPattern] = {}
+    owner_leaf: dict[int, GraphPattern] = {}
+    for pattern, pattern_matches in zip(group, found, strict=True):
+        for m in pattern_matches:
+            others = [owner_eqn.get(id(e)) for e in m.eqns] + [
+                owner_leaf.get(leaf) for leaf in m.param_leaves
+            ]
+            other = next((o for o in others if o is not None and o is not pattern), None)
+            if other is not None:
+                raise AmbiguousPatternsError(other, pattern, m.param_leaves)
+            owner_eqn.update({id(e): pattern for e in m.eqns})
+            owner_leaf.update({leaf: pattern for leaf in m.param_leaves})

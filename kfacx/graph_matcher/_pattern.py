@@ -88,8 +88,15 @@ class GraphPattern:
           ValueError: if the computation does not have exactly one output.
         """
         args = jax.tree_util.tree_map(np.asarray, list(self.example_args))
-        with jax.numpy_rank_promotion("allow"):
-            closed = jax.make_jaxpr(self.compute_func)(*args)
+        try:
+            with jax.numpy_rank_promotion("allow"):
+                closed = jax.make_jaxpr(self.compute_func)(*args)
+        except Exception as e:  # noqa: BLE001 - any tracing failure is the user's pattern
+            raise ValueError(
+                f"GraphPattern {self.name!r}: compute_func fails on its example_args "
+                f"({type(e).__name__}: {e}). Check that example_args are [*inputs, [params...]] "
+                "with shapes the computation accepts."
+            ) from e
         if len(closed.jaxpr.outvars) != 1:
             raise ValueError(
                 f"GraphPattern {self.name!r}: compute_func must return one array, "
