@@ -82,3 +82,15 @@ def test_resnet_block_with_batch_norm_state_is_fully_matched():
     grads = jax.grad(loss)(params, (x, labels))
     step = est.multiply_inverse(curvature, grads, 1e-3, use_cached=True)
     assert np.all(np.isfinite(ravel_pytree(step)[0]))
+
+
+def test_group_norm_affine_parameters_are_scale_and_shift():
+    net = hk.without_apply_rng(
+        hk.transform(lambda x: hk.Linear(3)(hk.GroupNorm(2)(x).reshape(x.shape[0], -1)))
+    )
+    x = np.random.default_rng(2).standard_normal((2, 4, 4, 4)).astype(np.float32)
+    labels = np.arange(2)
+    params = net.init(jax.random.PRNGKey(0), x)
+    report = _check(lambda p, b: _xent(net.apply(p, b[0]), b[1]), params, (x, labels))
+    tags = {e.path: e.tag for e in report.entries}
+    assert tags["group_norm/scale"] == tags["group_norm/offset"] == "scale_and_shift_tag"
