@@ -817,6 +817,8 @@ def test_tied_weights_are_one_block_with_uses_folded_into_the_batch():
         state, 0.0, 1.0, None, jax.random.PRNGKey(2), (params, (x, t)), "fisher_empirical"
     )
     assert len(est.blocks) == 2 and est.report.unmatched == ()
+    assert {e.path: e.uses for e in est.report.entries} == {"b": 2, "out": 1, "w": 2}
+    assert "0 (x2)" in str(est.report)
     a, g = (np.asarray(f.value[0], np.float64) for f in state.blocks[0].factors)
 
     # Reference: per-example gradients w.r.t. each use's output, by perturbation.

@@ -193,7 +193,7 @@ def auto_register_tags(
     tagged_jaxpr = jax.make_jaxpr(tagged)(*_specs(func_args)).jaxpr
     final = _tagged_leaves(tagged_jaxpr, origins)
     entries = tuple(
-        RegistrationEntry(path, *final[i], source=sources.get(i, "unmatched"))
+        RegistrationEntry(path, *final[i][:2], source=sources.get(i, "unmatched"), uses=final[i][2])
         for i, path in enumerate(paths)
     )
     return tagged, RegistrationReport(entries, tuple(unmatched), notes)
@@ -208,20 +208,23 @@ def _manual_claims(jaxpr, origins) -> dict[int, tuple]:
     return claims
 
 
-def _tagged_leaves(jaxpr, origins) -> dict[int, tuple[str, int]]:
-    """Parameter leaf -> (tag name, layer index) for every layer tag, in evaluation order
-    (a layer applied several times with the same parameters is one layer)."""
-    out, layer = {}, 0
+def _tagged_leaves(jaxpr, origins) -> dict[int, tuple[str, int, int]]:
+    """Parameter leaf -> (tag name, layer index, uses) for every layer tag, in evaluation
+    order (a layer applied several times with the same parameters is one layer)."""
+    out: dict[int, list] = {}
+    layer = 0
     for eqn, ins in _jaxpr.walk_tags(jaxpr, origins):
         tag = tags.layer_tag_for(eqn.primitive)
         if tag is None:
             continue
         leaves = [o for o in tag.split(ins)[2] if o is not None]
         if leaves and all(o in out for o in leaves):
+            for o in leaves:
+                out[o][2] += 1
             continue
-        out.update({o: (tag.name, layer) for o in leaves})
+        out.update({o: [tag.name, layer, 1] for o in leaves})
         layer += 1
-    return out
+    return {o: tuple(v) for o, v in out.items()}
 
 
 def _tagged_function(closed, out_tree, plan: _Plan, origins, unmatched_leaves: set[int]):

@@ -17,6 +17,7 @@ class RegistrationEntry:
         `GraphPattern` that matched, or ``"unmatched"``.
       layer: index of the layer (tag) among all layers, in evaluation order.
       block: name of the curvature block class serving it ("" until known).
+      uses: how many times the layer is applied (more than 1 for tied weights).
     """
 
     path: str
@@ -24,6 +25,7 @@ class RegistrationEntry:
     layer: int
     source: str
     block: str = ""
+    uses: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +59,16 @@ class RegistrationReport:
 
     def __str__(self) -> str:
         header = ("parameter", "layer", "tag", "found by", "block")
-        rows = [(e.path, str(e.layer), e.tag, e.source, e.block or "-") for e in self.entries]
+        rows = [
+            (
+                e.path,
+                f"{e.layer}" + (f" (x{e.uses})" if e.uses > 1 else ""),
+                e.tag,
+                e.source,
+                e.block or "-",
+            )
+            for e in self.entries
+        ]
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
 
         def line(row):
