@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import pathlib
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -19,6 +21,16 @@ from kfacx.graph_matcher._pattern import GraphPattern
 from kfacx.graph_matcher._report import RegistrationEntry, RegistrationReport
 
 ON_UNMATCHED = ("warn", "error", "full")
+
+_PACKAGE_DIR = str(pathlib.Path(__file__).resolve().parents[1])
+
+
+def _warn(message: str) -> None:
+    """Warns at the first stack frame outside kfacx (the user's call)."""
+    frame, level = sys._getframe(1), 2
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, stacklevel=level)
 
 
 @dataclasses.dataclass
@@ -171,7 +183,7 @@ def auto_register_tags(
         dict.fromkeys(f"{text}: {[paths[i] for i in leaves]}" for text, leaves in raw_notes)
     )
     for note in notes:
-        warnings.warn(f"kfacx: {note}", stacklevel=2)
+        _warn(f"kfacx: {note}")
     sources = {leaf: "manual" for leaf in manual}
     sources.update({leaf: m.pattern.name for m in plan.all_matches() for leaf in m.param_leaves})
     unmatched = [p for i, p in enumerate(paths) if i not in sources]
@@ -181,10 +193,9 @@ def auto_register_tags(
             "(kfacx.register_*), add a GraphPattern, or use on_unmatched='warn' or 'full'."
         )
     if unmatched and on_unmatched == "warn":
-        warnings.warn(
+        _warn(
             f"kfacx: no layer pattern matched parameters {unmatched}; they get a diagonal "
-            "block. Pass on_unmatched='error' to make this an error, or 'full' for a full block.",
-            stacklevel=2,
+            "block. Pass on_unmatched='error' to make this an error, or 'full' for a full block."
         )
     out_tree = jax.tree_util.tree_structure(out_shape)
     unmatched_leaves = {i for i, p in enumerate(paths) if i not in sources}

@@ -91,3 +91,17 @@ def test_custom_tag_names_are_unique():
     tags.LayerTag(name, 1, 1)
     with pytest.raises(ValueError, match="exists already"):
         tags.LayerTag(name, 1, 1)
+
+
+def test_unmatched_warning_points_at_the_users_call():
+    def loss(params, batch):
+        y = jnp.broadcast_to(jnp.sin(params["w"]), batch.shape) * batch
+        y = kfacx.register_squared_error_loss(y, batch)
+        return jnp.sum(y)
+
+    est = kfacx.BlockDiagonalCurvature(loss)
+    with pytest.warns(UserWarning, match=r"no layer pattern matched parameters \['w'\]") as rec:
+        est.init(
+            jax.random.PRNGKey(0), ({"w": np.ones(3, np.float32)}, np.ones((2, 3), np.float32))
+        )
+    assert rec[0].filename == __file__
