@@ -12,6 +12,7 @@ import functools
 import itertools
 from collections.abc import Sequence
 
+import haiku as hk
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -277,3 +278,30 @@ def block_diag(*blocks: np.ndarray) -> np.ndarray:
         out[i : i + b.shape[0], i : i + b.shape[0]] = b
         i += b.shape[0]
     return out
+
+
+class HaikuTaggedDense(hk.Module):
+    """A Haiku dense layer tagged by hand with `kfacx.register_dense`."""
+
+    def __init__(self, size, name=None):
+        super().__init__(name=name)
+        self.size = size
+
+    def __call__(self, x):
+        init = hk.initializers.RandomNormal(0.5)
+        w = hk.get_parameter("w", [x.shape[-1], self.size], init=init)
+        b = hk.get_parameter("b", [self.size], init=init)
+        return kfacx.register_dense(dense(x, w, b), x, w, b)
+
+
+class HaikuTaggedMLP(hk.Module):
+    """tanh MLP of `HaikuTaggedDense` layers; parameters are "<name>/~/linear_i/{w,b}"."""
+
+    def __init__(self, sizes, name=None):
+        super().__init__(name=name)
+        self.layers = [HaikuTaggedDense(s, name=f"linear_{i}") for i, s in enumerate(sizes)]
+
+    def __call__(self, x):
+        for layer in self.layers[:-1]:
+            x = jnp.tanh(layer(x))
+        return self.layers[-1](x)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from _models import (
     LOSS_KINDS,
+    HaikuTaggedMLP,
     autodiff_output_hessian,
     block_diag,
     block_mask,
@@ -497,33 +498,10 @@ def test_default_blocks_are_dense_kronecker():
 # ----------------------------------------------------------------------------- haiku
 
 
-class _Dense(hk.Module):
-    def __init__(self, size, name=None):
-        super().__init__(name=name)
-        self.size = size
-
-    def __call__(self, x):
-        init = hk.initializers.RandomNormal(0.5)
-        w = hk.get_parameter("w", [x.shape[-1], self.size], init=init)
-        b = hk.get_parameter("b", [self.size], init=init)
-        return kfacx.register_dense(dense(x, w, b), x, w, b)
-
-
-class _MLP(hk.Module):
-    def __init__(self, sizes, name=None):
-        super().__init__(name=name)
-        self.layers = [_Dense(s, name=f"linear_{i}") for i, s in enumerate(sizes)]
-
-    def __call__(self, x):
-        for layer in self.layers[:-1]:
-            x = jnp.tanh(layer(x))
-        return self.layers[-1](x)
-
-
 def test_haiku_model_end_to_end():
     def forward(batch):
         x, labels = batch
-        logits = _MLP(SIZES_2[1:], name="mlp")(x)
+        logits = HaikuTaggedMLP(SIZES_2[1:], name="mlp")(x)
         kfacx.register_softmax_cross_entropy_loss(logits, labels)
         return jnp.mean(-jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], axis=1))
 

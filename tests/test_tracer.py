@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _models import add_bias, dense, init_mlp, normal
+from _models import HaikuTaggedMLP, add_bias, dense, init_mlp, normal
 
 import kfacx
 from kfacx import tracer
@@ -389,34 +389,9 @@ def test_params_index_out_of_range_raises():
 # ----------------------------------------------------------------------------- paths
 
 
-class _HaikuDense(hk.Module):
-    def __init__(self, size, name=None):
-        super().__init__(name=name)
-        self.size = size
-
-    def __call__(self, x):
-        init = hk.initializers.RandomNormal(0.5)
-        w = hk.get_parameter("w", [x.shape[-1], self.size], init=init)
-        b = hk.get_parameter("b", [self.size], init=init)
-        return kfacx.register_dense(dense(x, w, b), x, w, b)
-
-
-class _HaikuMLP(hk.Module):
-    def __init__(self, name=None):
-        super().__init__(name=name)
-        # Sub-modules made in __init__ are named "mlp/~/linear_i".
-        self.layers = [
-            _HaikuDense(HIDDEN, name="linear_0"),
-            _HaikuDense(N_CLASSES, name="linear_1"),
-        ]
-
-    def __call__(self, x):
-        return self.layers[1](jnp.tanh(self.layers[0](x)))
-
-
 def test_path_to_str_on_haiku_params():
     def forward(x, labels):
-        logits = _HaikuMLP(name="mlp")(x)
+        logits = HaikuTaggedMLP([HIDDEN, N_CLASSES], name="mlp")(x)
         return kfacx.register_softmax_cross_entropy_loss(logits, labels).sum()
 
     model = hk.without_apply_rng(hk.transform(forward))

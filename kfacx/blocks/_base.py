@@ -313,10 +313,28 @@ class CurvatureBlock(abc.ABC):
             raise self._missing_cache(f"the power {power}", f"approx_powers_to_cache=({power},)")
         return value
 
-    def _check_approx_powers(self, powers: Sequence[float]) -> None:
+    def _approx_cache_fields(
+        self, powers: Sequence[float], empty: Callable[[], Any]
+    ) -> dict[str, Any]:
+        """The approximate-power cache fields: ``empty()`` for each requested power,
+        None for the others.
+
+        Raises:
+          ValueError: for a power that has no approximate form.
+        """
         for p in powers:
             if float(p) not in APPROX_POWER_FIELDS:
                 raise self._unsupported_power(p, "in approx_powers_to_cache")
+        wanted = {float(p) for p in powers}
+        return {f: empty() if p in wanted else None for p, f in APPROX_POWER_FIELDS.items()}
+
+    @staticmethod
+    def _refresh_approx_cache(cache: Any, compute: Callable[[float], Any]) -> Any:
+        """Recomputes, with ``compute(power)``, every approximate power present in ``cache``."""
+        for power, field in APPROX_POWER_FIELDS.items():
+            if getattr(cache, field) is not None:
+                cache = cache._replace(**{field: compute(power)})
+        return cache
 
     def _unsupported_power(self, power: float, how: str) -> ValueError:
         return ValueError(

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from kfacx import linalg
-from kfacx.blocks._base import APPROX_POWER_FIELDS, BlockState, CurvatureBlock, LayerInfo
+from kfacx.blocks._base import BlockState, CurvatureBlock, LayerInfo
 
 
 class EmbeddingEigen(NamedTuple):
@@ -71,17 +71,14 @@ class EmbeddingKroneckerFactored(CurvatureBlock):
     # ---------------------------------------------------------------- cache
 
     def init_cache(self, exact_powers_to_cache, approx_powers_to_cache, cache_eigenvalues):
-        self._check_approx_powers(approx_powers_to_cache)
         v, d = self.vocab, self.width
+        pairs = self._approx_cache_fields(
+            approx_powers_to_cache,
+            lambda: EmbeddingPair(jnp.zeros((v,), self.dtype), jnp.zeros((d, d), self.dtype)),
+        )
         eigen = None
         if exact_powers_to_cache or cache_eigenvalues:
             eigen = EmbeddingEigen(jnp.zeros((d,), self.dtype), jnp.zeros((d, d), self.dtype))
-        pairs = {
-            field: EmbeddingPair(jnp.zeros((v,), self.dtype), jnp.zeros((d, d), self.dtype))
-            if power in map(float, approx_powers_to_cache)
-            else None
-            for power, field in APPROX_POWER_FIELDS.items()
-        }
         return EmbeddingCache(eigen=eigen, **pairs)
 
     def update_cache(self, state: BlockState, identity_weight: Any) -> BlockState:
@@ -89,10 +86,9 @@ class EmbeddingKroneckerFactored(CurvatureBlock):
         cache: EmbeddingCache = state.cache
         if cache.eigen is not None:
             cache = cache._replace(eigen=EmbeddingEigen(*linalg.safe_eigh(g)))
-        for power, field in APPROX_POWER_FIELDS.items():
-            if getattr(cache, field) is not None:
-                pair = self._approx_pair_now(a, g, identity_weight, power)
-                cache = cache._replace(**{field: pair})
+        cache = self._refresh_approx_cache(
+            cache, lambda power: self._approx_pair_now(a, g, identity_weight, power)
+        )
         return state._replace(cache=cache)
 
     def _approx_pair_now(self, a, g, identity_weight, power) -> EmbeddingPair:

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kfacx import linalg
-from kfacx.blocks._base import APPROX_POWER_FIELDS, BlockState, CurvatureBlock, LayerInfo, Params
+from kfacx.blocks._base import BlockState, CurvatureBlock, LayerInfo, Params
 
 
 class KroneckerEigen(NamedTuple):
@@ -90,21 +90,17 @@ class TwoKroneckerFactored(CurvatureBlock):
     # ---------------------------------------------------------------- cache
 
     def init_cache(self, exact_powers_to_cache, approx_powers_to_cache, cache_eigenvalues):
-        self._check_approx_powers(approx_powers_to_cache)
         (g, n, _), (_, m, _) = self.factor_shapes()
 
         def zeros(*shape):
             return jnp.zeros(shape, self.dtype)
 
+        pairs = self._approx_cache_fields(
+            approx_powers_to_cache, lambda: KroneckerPair(zeros(g, n, n), zeros(g, m, m))
+        )
         eigen = None
         if exact_powers_to_cache or cache_eigenvalues:
             eigen = KroneckerEigen(zeros(g, n), zeros(g, n, n), zeros(g, m), zeros(g, m, m))
-        pairs = {
-            field: KroneckerPair(zeros(g, n, n), zeros(g, m, m))
-            if power in map(float, approx_powers_to_cache)
-            else None
-            for power, field in APPROX_POWER_FIELDS.items()
-        }
         return KroneckerCache(eigen=eigen, **pairs)
 
     def update_cache(self, state: BlockState, identity_weight: Any) -> BlockState:
@@ -112,10 +108,9 @@ class TwoKroneckerFactored(CurvatureBlock):
         cache: KroneckerCache = state.cache
         if cache.eigen is not None:
             cache = cache._replace(eigen=KroneckerEigen(*linalg.safe_eigh(a), *linalg.safe_eigh(g)))
-        if cache.inverse is not None:
-            cache = cache._replace(inverse=self._approx_factors(a, g, identity_weight, -1.0))
-        if cache.inverse_sqrt is not None:
-            cache = cache._replace(inverse_sqrt=self._approx_factors(a, g, identity_weight, -0.5))
+        cache = self._refresh_approx_cache(
+            cache, lambda power: self._approx_factors(a, g, identity_weight, power)
+        )
         return state._replace(cache=cache)
 
     @staticmethod
