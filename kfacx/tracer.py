@@ -223,9 +223,9 @@ def _forward(traced: TracedFunction, flat_args: Sequence[Any], perturbations: Se
         return [o + p for o, p in zip(outputs, perturbations[i], strict=True)]
 
     closed = traced.closed_jaxpr
-    _jaxpr.eval_jaxpr(closed.jaxpr, closed.consts, flat_args, on_tag)
+    outputs = _jaxpr.eval_jaxpr(closed.jaxpr, closed.consts, flat_args, on_tag)
     predictions = tuple(ops[0] for _, ops in loss_operands)
-    return predictions, (records, loss_operands)
+    return predictions, (records, loss_operands, outputs)
 
 
 def _make_losses(loss_operands, predictions) -> tuple[losses.LossFunction, ...]:
@@ -321,7 +321,7 @@ def layer_tags_vjp(
     """
     traced = trace_cached(func, func_args, params_index)
     flat_args = jax.tree_util.tree_leaves(tuple(func_args))
-    predictions, vjp_fn, (records, loss_operands) = jax.vjp(
+    predictions, vjp_fn, (records, loss_operands, _) = jax.vjp(
         lambda p: _forward(traced, flat_args, p), _zero_perturbations(traced), has_aux=True
     )
     vjp = LayerTagsVjp(vjp_fn, records, traced.use_to_layer)
@@ -336,7 +336,7 @@ def _predictions_of_params(traced: TracedFunction, func_args: Sequence[Any]):
     def predictions(params):
         leaves = jax.tree_util.tree_leaves(params)
         args = list(flat_args[:start]) + list(leaves) + list(flat_args[stop:])
-        preds, (_, loss_operands) = _forward(traced, args, zeros)
+        preds, (_, loss_operands, _) = _forward(traced, args, zeros)
         return preds, loss_operands
 
     return predictions
