@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
+import jax
 import jax.extend as jex
 
 from kfacx import tags
@@ -75,8 +78,57 @@ def eval_jaxpr(
     Call-like equations whose bodies contain tags are evaluated in place, so
     ``on_tag`` sees the tags inside `jax.jit`, `jax.checkpoint` and custom
     derivative functions too. Tags inside other higher-order primitives
-    (`lax.scan`, `lax.cond`, ...) raise a ValueError.
+    (`lax.scan`, `lax.cond`, ...) raise a ValueError: a scan body runs once per
+    iteration, which needs the functional `eval_jaxpr_sites`.
     """
+
+    def visit(eqn, invals, _):
+        return on_tag(eqn, invals), None
+
+    return _eval(jaxpr, consts, args, visit, itertools.repeat(None), [], scans=False)
+
+
+def eval_jaxpr_sites(
+    jaxpr: Jaxpr,
+    consts: Sequence[Any],
+    args: Sequence[Any],
+    on_tag: Callable[[JaxprEqn, list[Any], Any], tuple[list[Any], Any]],
+    site_inputs: Sequence[Any],
+) -> tuple[list[Any], list[Any]]:
+    """Evaluates ``jaxpr`` functionally, tag *sites* included, also inside `lax.scan`.
+
+    The sites are the tag equations in the order of `tag_sites`. At each,
+    ``on_tag(eqn, invals, site_input)`` returns ``(outvals, site_output)``
+    (pytrees of arrays). Call-like equations are evaluated in place. A scan
+    whose body holds tags is evaluated by `jax.lax.scan` over a body that
+    evaluates its jaxpr the same way (``length``, ``reverse`` and the
+    consts / carry / xs split are respected): the site inputs of its tags must
+    be stacked ``[L, ...]`` and enter as extra ``xs`` (the iteration on slice
+    ``l`` of the xs gets slice ``l``); their site outputs come out as extra
+    ``ys``, stacked the same way.
+
+    Args:
+      jaxpr, consts, args: what to evaluate.
+      on_tag: ``(eqn, invals, site_input) -> (outvals, site_output)``.
+      site_inputs: one entry per site.
+
+    Returns:
+      ``(outputs, site_outputs)``, one site output per site.
+
+    Raises:
+      ValueError: for tags inside other higher-order primitives, or a wrong
+        number of site inputs.
+    """
+    site_inputs = list(site_inputs)
+    num_sites = count_tag_sites(jaxpr)
+    if len(site_inputs) != num_sites:
+        raise ValueError(f"{len(site_inputs)} site inputs for {num_sites} tag sites.")
+    site_outputs: list[Any] = []
+    outs = _eval(jaxpr, consts, args, on_tag, iter(site_inputs), site_outputs, scans=True)
+    return outs, site_outputs
+
+
+def _eval(jaxpr, consts, args, on_tag, site_inputs, site_outputs, scans: bool) -> list[Any]:
     env: dict[Any, Any] = {}
 
     def read(v):
@@ -91,12 +143,21 @@ def eval_jaxpr(
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
         if is_tag_eqn(eqn):
-            outvals = on_tag(eqn, invals)
+            outvals, site_output = on_tag(eqn, invals, next(site_inputs))
+            site_outputs.append(site_output)
         elif any(map(contains_tags, sub_jaxprs(eqn))):
             body = call_body(eqn)
-            if body is None:
+            if body is not None:
+                outvals = _eval(body[0], body[1], invals, on_tag, site_inputs, site_outputs, scans)
+            elif is_scan(eqn) and scans:
+                outvals = _eval_scan(eqn, invals, on_tag, site_inputs, site_outputs)
+            elif is_scan(eqn):
+                raise ValueError(
+                    "eval_jaxpr cannot evaluate tags inside a `scan` (they run once per "
+                    "iteration); use eval_jaxpr_sites."
+                )
+            else:
                 raise unsupported_container(eqn)
-            outvals = eval_jaxpr(body[0], body[1], invals, on_tag)
         else:
             outvals = bind_eqn(eqn, invals)
         write(eqn.outvars, outvals)
@@ -107,8 +168,9 @@ def unsupported_container(eqn: JaxprEqn) -> ValueError:
     """The error for tags inside a primitive the tracer cannot look into."""
     return ValueError(
         f"A layer or loss tag sits inside a `{eqn.primitive.name}` primitive; kfacx reads tags "
-        "inside jit, checkpoint and custom_jvp/custom_vjp functions, but not yet inside "
-        f"`{eqn.primitive.name}`. Move the registration out of it (e.g. unroll the loop)."
+        "inside jit, checkpoint and custom_jvp/custom_vjp functions and `lax.scan` bodies, but "
+        f"not inside `{eqn.primitive.name}`. Move the registration out of it (e.g. unroll the "
+        "loop, or write it with lax.scan)."
     )
 
 
@@ -116,16 +178,120 @@ def walk_tags(jaxpr: Jaxpr, origins: Sequence[Any]) -> Iterator[tuple[JaxprEqn, 
     """Yields every tag equation with the *origin* of each of its operands.
 
     ``origins`` labels the jaxpr's inputs (e.g. the index of a parameter leaf);
-    labels flow into the bodies of call-like equations and are None for any
-    value computed inside the function, in the order `eval_jaxpr` visits tags.
+    labels flow into the bodies of call-like equations and of scans (see
+    `tag_sites`) and are None for any value computed inside the function, in
+    the order `eval_jaxpr` visits tags.
+    """
+    for site in tag_sites(jaxpr, origins):
+        yield site.eqn, site.origins
+
+
+# ----------------------------------------------------------------------------- lax.scan
+
+
+@dataclasses.dataclass(frozen=True)
+class ScanSlice:
+    """Origin label of a scan body input that is a slice of a scanned-over (``xs``)
+    operand labelled ``origin``: iteration ``l`` sees ``operand[l]``."""
+
+    origin: Any
+
+
+def leaf_origin(origin: Any) -> Any:
+    """The label under any `ScanSlice` wrappers (e.g. the parameter leaf index)."""
+    while isinstance(origin, ScanSlice):
+        origin = origin.origin
+    return origin
+
+
+class TagSite(NamedTuple):
+    """A tag equation in the (nested) jaxpr.
+
+    Attributes:
+      eqn: the tag equation.
+      origins: the origin label of each of its operands.
+      scans: the `lax.scan` equations it sits in, outermost first (it runs once
+        per iteration of each; ``scans[-1].params["length"]`` times in one scan).
+    """
+
+    eqn: JaxprEqn
+    origins: list[Any]
+    scans: tuple[JaxprEqn, ...]
+
+
+def is_scan(eqn: JaxprEqn) -> bool:
+    """Whether the equation is a `lax.scan`."""
+    return eqn.primitive.name == "scan"
+
+
+def scan_body_origins(eqn: JaxprEqn, origins: Sequence[Any]) -> list[Any]:
+    """Origin labels of a scan body's inputs from those of the scan's operands.
+
+    Consts (closed over: the same value at every iteration) keep their label;
+    the carry is computed (None); an ``xs`` operand labelled ``o`` gives
+    ``ScanSlice(o)``.
+    """
+    nc, ncarry = eqn.params["num_consts"], eqn.params["num_carry"]
+    xs = [None if o is None else ScanSlice(o) for o in origins[nc + ncarry :]]
+    return [*origins[:nc], *([None] * ncarry), *xs]
+
+
+def tag_sites(
+    jaxpr: Jaxpr, origins: Sequence[Any], scans: tuple[JaxprEqn, ...] = ()
+) -> Iterator[TagSite]:
+    """Every tag equation, in evaluation order, with its operands' origins and scans.
+
+    Labels flow into call bodies positionally and into scan bodies by
+    `scan_body_origins`.
+
+    Raises:
+      ValueError: for tags inside other higher-order primitives (cond, while...).
     """
     env: dict[Any, Any] = dict(zip(jaxpr.invars, origins, strict=True))
     for eqn in jaxpr.eqns:
         ins = [None if isinstance(v, jex.core.Literal) else env.get(v) for v in eqn.invars]
         if is_tag_eqn(eqn):
-            yield eqn, ins
+            yield TagSite(eqn, ins, scans)
         elif any(map(contains_tags, sub_jaxprs(eqn))):
             body = call_body(eqn)
-            if body is None:
+            if body is not None:
+                yield from tag_sites(body[0], ins, scans)
+            elif is_scan(eqn):
+                body_origins = scan_body_origins(eqn, ins)
+                yield from tag_sites(eqn.params["jaxpr"].jaxpr, body_origins, (*scans, eqn))
+            else:
                 raise unsupported_container(eqn)
-            yield from walk_tags(body[0], ins)
+
+
+def count_tag_sites(jaxpr: Jaxpr) -> int:
+    """The number of `tag_sites` of ``jaxpr``."""
+    return sum(1 for _ in tag_sites(jaxpr, [None] * len(jaxpr.invars)))
+
+
+def _eval_scan(eqn, invals, on_tag, site_inputs, site_outputs) -> list[Any]:
+    """A scan whose body holds tags, by `jax.lax.scan` (see `eval_jaxpr_sites`)."""
+    params = eqn.params
+    body = params["jaxpr"]
+    nc, ncarry = params["num_consts"], params["num_carry"]
+    consts, init, xs = invals[:nc], invals[nc : nc + ncarry], invals[nc + ncarry :]
+    extras = [next(site_inputs) for _ in range(count_tag_sites(body.jaxpr))]
+
+    def step(carry, x):
+        x_slice, extra = x
+        outputs: list[Any] = []
+        args = [*consts, *carry, *x_slice]
+        outs = _eval(body.jaxpr, body.consts, args, on_tag, iter(extra), outputs, scans=True)
+        return outs[:ncarry], (outs[ncarry:], outputs)
+
+    options = {k: params[k] for k in ("_split_transpose",) if k in params}
+    carry, (ys, outputs) = jax.lax.scan(
+        step,
+        list(init),
+        (list(xs), extras),
+        length=params["length"],
+        reverse=params["reverse"],
+        unroll=params["unroll"],
+        **options,
+    )
+    site_outputs.extend(outputs)
+    return [*carry, *ys]

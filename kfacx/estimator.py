@@ -73,7 +73,9 @@ class BlockDiagonalCurvature:
       params_index: the position of the parameters among ``func``'s arguments.
       layer_tag_to_block_ctor: maps tag names to block classes (or factories
         taking a `kfacx.blocks.LayerInfo`); overrides
-        `DEFAULT_LAYER_TAG_TO_BLOCK_CTOR` for the given names.
+        `DEFAULT_LAYER_TAG_TO_BLOCK_CTOR` for the given names. A stacked layer
+        (inside a `lax.scan` over its parameters, e.g. `hk.layer_stack`) is
+        served by a `kfacx.blocks.StackedBlock` of its tag's block.
       default_estimation_mode: one of `ESTIMATION_MODES`.
       num_samples: number of sampled cotangents per example in the sampling
         modes (their second moments are averaged).
@@ -176,7 +178,7 @@ class BlockDiagonalCurvature:
         """The registration report of the last set-up (None without auto-registration)."""
         if self._report is None or not self._blocks:
             return self._report
-        names = [type(b).__name__ for b in self._blocks]
+        names = [b.block_name for b in self._blocks]
         return self._report.with_blocks(lambda e: names[e.layer])
 
     def _set_up(self, func_args: Sequence[Any]) -> tracer.TracedFunction:
@@ -201,6 +203,8 @@ class BlockDiagonalCurvature:
                 f"No curvature block for layer tag {layer.tag_name!r} ({layer.name}); pass "
                 f"layer_tag_to_block_ctor={{{layer.tag_name!r}: SomeBlockClass}}."
             )
+        if layer.stack_size is not None:  # lax.scan over the parameters: one block per slice.
+            return blocks_lib.StackedBlock(layer, ctor)
         return ctor(layer)
 
     @property

@@ -38,8 +38,16 @@ class TracedFunction:
         the layer it belongs to. A layer whose parameters are shared (tied
         weights, the same layer applied twice) has several uses; its
         statistics fold the uses into the batch axis ("expand" K-FAC).
-      use_outputs: for every use, ``(shape, dtype)`` of each output.
+      use_outputs: for every use, ``(shape, dtype)`` of each output (for a use
+        inside a `lax.scan` of length ``L``: ``[L, *per_iteration_shape]``).
       num_losses: number of loss tags.
+      site_uses: for every tag equation (layer or loss) in evaluation order
+        (`kfacx._jaxpr.tag_sites`), its use index, or None for a loss tag.
+      use_scan_lengths: for every use, the length of the `lax.scan` it sits in
+        (0 outside scans). A layer tag in a scan is a *stacked* layer when the
+        scan runs over its parameters (``LayerInfo.stack_size``), else a
+        layer applied once per iteration with the same parameters (its
+        iterations are folded into the batch axis, as tied uses are).
     """
 
     closed_jaxpr: Any
@@ -52,6 +60,8 @@ class TracedFunction:
     use_to_layer: tuple[int, ...]
     use_outputs: tuple[tuple[tuple[tuple[int, ...], Any], ...], ...]
     num_losses: int
+    site_uses: tuple[int | None, ...] = ()
+    use_scan_lengths: tuple[int, ...] = ()
 
     @property
     def num_param_leaves(self) -> int:
@@ -104,18 +114,30 @@ def trace(
     origins = [i - start if start <= i < stop else None for i in range(len(closed.jaxpr.invars))]
 
     layers, leaves_of, use_to_layer, use_outputs, num_losses = [], [], [], [], 0
+    site_uses: list[int | None] = []
+    scan_lengths: list[int] = []
     owner: dict[int, int] = {}
-    for eqn, ins in _jaxpr.walk_tags(closed.jaxpr, origins):
+    for eqn, ins, scans in _jaxpr.tag_sites(closed.jaxpr, origins):
         tag = tags.layer_tag_for(eqn.primitive)
         if tag is None:
+            if scans:
+                raise _loss_in_scan(eqn)
             num_losses += 1
+            site_uses.append(None)
             continue
         info, leaf_ids = _layer_info(tag, eqn, ins, param_paths)
-        use_outputs.append(tuple((v.aval.shape, v.aval.dtype) for v in tag.split(eqn.invars)[0]))
+        info, length = _scan_layer_info(info, tag.split(ins)[2], scans)
+        lead = (length,) if length else ()
+        use_outputs.append(
+            tuple((lead + v.aval.shape, v.aval.dtype) for v in tag.split(eqn.invars)[0])
+        )
+        site_uses.append(len(use_to_layer))
+        scan_lengths.append(length)
         shared = {owner[leaf] for leaf in leaf_ids if leaf in owner}
         if shared:
             index = _shared_layer(shared, layers, leaves_of, info, leaf_ids)
-            layers[index] = dataclasses.replace(layers[index], num_uses=layers[index].num_uses + 1)
+            uses = layers[index].num_uses + info.num_uses
+            layers[index] = dataclasses.replace(layers[index], num_uses=uses)
             use_to_layer.append(index)
             continue
         owner.update({leaf: len(layers) for leaf in leaf_ids})
@@ -138,6 +160,8 @@ def trace(
         tuple(use_to_layer),
         tuple(use_outputs),
         num_losses,
+        tuple(site_uses),
+        tuple(scan_lengths),
     )
 
 
@@ -149,6 +173,7 @@ def _shared_layer(shared: set[int], layers, leaves_of, info: LayerInfo, leaf_ids
         first is not None
         and leaves_of[index] == leaf_ids
         and first.tag_name == info.tag_name
+        and first.stack_size == info.stack_size
         and dict(first.meta) == dict(info.meta)
         and [s[1:] for s in first.input_shapes] == [s[1:] for s in info.input_shapes]
         and [s[1:] for s in first.output_shapes] == [s[1:] for s in info.output_shapes]
@@ -173,7 +198,7 @@ def _layer_info(tag, eqn, ins, param_paths) -> tuple[LayerInfo, tuple[int, ...]]
             "(or is a constant), not a leaf of the parameters. Pass the parameter array itself "
             "to the register_* call."
         )
-    leaf_ids = tuple(param_origins)
+    leaf_ids = tuple(_jaxpr.leaf_origin(o) for o in param_origins)
     info = LayerInfo(
         tag_name=tag.name,
         parameter_paths=tuple(param_paths[i] for i in leaf_ids),
@@ -185,6 +210,61 @@ def _layer_info(tag, eqn, ins, param_paths) -> tuple[LayerInfo, tuple[int, ...]]
         compute=tag.compute,
     )
     return info, leaf_ids
+
+
+def _scan_layer_info(info: LayerInfo, param_origins, scans) -> tuple[LayerInfo, int]:
+    """A layer tag inside a `lax.scan`: ``(LayerInfo, scan length)``.
+
+    Parameters the scan runs over (``xs``, e.g. `hk.layer_stack`) make a stacked
+    layer (shapes with the leading layer axis, ``stack_size`` set); parameters
+    closed over (``consts``) make one layer applied once per iteration
+    (``num_uses`` = the scan length). Outside scans: ``(info, 0)``.
+
+    Raises:
+      ValueError: for nested scans, or stacked and shared parameters in one layer.
+    """
+    if not scans:
+        return info, 0
+    if len(scans) > 1:
+        raise ValueError(
+            f"Layer {info.name} sits inside {len(scans)} nested `scan`s; kfacx serves layers "
+            "inside one scan (parameters stacked along the scanned axis, or shared by all "
+            "iterations), not in nested ones. Unroll the outer loops (Python loops), or merge "
+            "the nested scans into one scan."
+        )
+    length = int(scans[0].params["length"])
+    stacked = [isinstance(o, _jaxpr.ScanSlice) for o in param_origins]
+    if any(stacked) and not all(stacked):
+        sliced = [p for p, s in zip(info.parameter_paths, stacked, strict=True) if s]
+        closed = [p for p, s in zip(info.parameter_paths, stacked, strict=True) if not s]
+        raise ValueError(
+            f"Layer {info.name} inside a `scan` takes parameters {sliced} as scanned-over inputs "
+            f"(xs: one slice per iteration) and {closed} as closed-over constants (the same at "
+            "every iteration). kfacx serves a layer in a scan when all its parameters are "
+            "stacked (like hk.layer_stack) or all are shared: scan over all of them, or close "
+            "over all of them (or split the layer into two registered layers)."
+        )
+    if not any(stacked):
+        return dataclasses.replace(info, num_uses=length), length
+
+    def stack(shapes):
+        return tuple((length, *s) for s in shapes)
+
+    return dataclasses.replace(
+        info,
+        parameter_shapes=stack(info.parameter_shapes),
+        input_shapes=stack(info.input_shapes),
+        output_shapes=stack(info.output_shapes),
+        stack_size=length,
+    ), length
+
+
+def _loss_in_scan(eqn) -> ValueError:
+    return ValueError(
+        f"A loss tag ({eqn.primitive.name}) sits inside a `scan` primitive; kfacx reads "
+        "losses registered outside loops only (layers may sit inside a scan). Register the "
+        "loss on the scan's outputs, e.g. on the stacked per-step predictions."
+    )
 
 
 _TRACE_CACHE: collections.OrderedDict = collections.OrderedDict()
@@ -208,22 +288,37 @@ def trace_cached(
 
 
 def _forward(traced: TracedFunction, flat_args: Sequence[Any], perturbations: Sequence[tuple]):
-    """Evaluates the jaxpr; returns the loss predictions and, as aux, the tag data."""
-    records: list[dict] = []
-    loss_operands: list[tuple] = []
+    """Evaluates the jaxpr; returns the loss predictions and, as aux, the tag data.
 
-    def on_tag(eqn, invals):
+    Every layer use's outputs get ``perturbations[use]`` added (stacked ``[L, ...]``
+    for a use inside a scan of length ``L``: iteration ``l`` adds slice ``l``);
+    its record has the use's ``inputs`` and ``outputs`` (stacked likewise) and
+    the layer's ``params`` (whole parameter leaves).
+    """
+
+    def on_tag(eqn, invals, perturbation):
         layer_tag = tags.layer_tag_for(eqn.primitive)
         if layer_tag is None:
-            loss_operands.append((eqn, tuple(invals)))
-            return invals[:1]
-        outputs, inputs, params = layer_tag.split(invals)
-        i = len(records)
-        records.append(dict(inputs=inputs, outputs=outputs, params=params))
-        return [o + p for o, p in zip(outputs, perturbations[i], strict=True)]
+            return invals[:1], (eqn, tuple(invals))
+        outputs, inputs, _ = layer_tag.split(invals)
+        perturbed = [o + p for o, p in zip(outputs, perturbation, strict=True)]
+        return perturbed, dict(inputs=inputs, outputs=outputs)
 
     closed = traced.closed_jaxpr
-    outputs = _jaxpr.eval_jaxpr(closed.jaxpr, closed.consts, flat_args, on_tag)
+    site_inputs = [None if use is None else perturbations[use] for use in traced.site_uses]
+    outputs, site_outputs = _jaxpr.eval_jaxpr_sites(
+        closed.jaxpr, closed.consts, flat_args, on_tag, site_inputs
+    )
+    start = sum(c.num_leaves for c in traced.in_tree.children()[: traced.params_index])
+    params = flat_args[start : start + traced.num_param_leaves]
+    records: list[dict] = []
+    loss_operands: list[tuple] = []
+    for use, out in zip(traced.site_uses, site_outputs, strict=True):
+        if use is None:
+            loss_operands.append(out)
+            continue
+        leaves = traced.layer_param_leaves[traced.use_to_layer[use]]
+        records.append(dict(out, params=tuple(params[i] for i in leaves)))
     predictions = tuple(ops[0] for _, ops in loss_operands)
     return predictions, (records, loss_operands, outputs)
 
@@ -242,10 +337,12 @@ def _zero_perturbations(traced: TracedFunction) -> tuple:
 class LayerTagsVjp:
     """The vjp returned by `layer_tags_vjp`: loss cotangents -> per-layer estimation data."""
 
-    def __init__(self, vjp_fn, records, use_to_layer):
+    def __init__(self, vjp_fn, records, use_to_layer, use_scans=None):
         self._vjp_fn = vjp_fn
         self._records = records
         self._use_to_layer = use_to_layer
+        # Per use: (length of the scan it sits in or 0, whether its layer is stacked).
+        self._use_scans = tuple(use_scans or ((0, False),) * len(records))
 
     def tangents(self, loss_cotangents: Sequence[jax.Array]) -> tuple[tuple[jax.Array, ...], ...]:
         """The cotangents of every layer's outputs (without the layer data)."""
@@ -254,12 +351,27 @@ class LayerTagsVjp:
 
     def _data(self, tangents, batch_axis: int) -> tuple[dict, ...]:
         uses: dict[int, list[dict]] = {}
-        for rec, t, layer in zip(self._records, tangents, self._use_to_layer, strict=True):
-            uses.setdefault(layer, []).append(dict(rec, outputs_tangent=tuple(t)))
-        return tuple(_fold_uses(uses[i], batch_axis) for i in range(len(uses)))
+        stacked: dict[int, bool] = {}
+        for rec, t, layer, (length, is_stacked) in zip(
+            self._records, tangents, self._use_to_layer, self._use_scans, strict=True
+        ):
+            use = dict(rec, outputs_tangent=tuple(t))
+            if length and not is_stacked:
+                use = _fold_scan(use, batch_axis)
+            uses.setdefault(layer, []).append(use)
+            stacked[layer] = is_stacked
+        return tuple(
+            _fold_uses(uses[i], batch_axis, lead=int(stacked[i])) for i in range(len(uses))
+        )
 
     def __call__(self, loss_cotangents: Sequence[jax.Array]) -> tuple[dict, ...]:
         """Per layer: ``inputs``, ``outputs``, ``params`` and ``outputs_tangent``.
+
+        A layer applied at every iteration of a `lax.scan` with the same
+        parameters has its iterations folded into the batch axis. A stacked
+        layer (`kfacx.blocks.LayerInfo.stack_size`) keeps the layer axis in
+        front: ``inputs`` / ``outputs`` / ``params`` ``[L, ...]``,
+        ``outputs_tangent`` ``[L, ...]`` (``[samples, L, ...]`` in `sampled`).
 
         Args:
           loss_cotangents: one array per registered loss, shaped like its prediction.
@@ -272,10 +384,33 @@ class LayerTagsVjp:
         return self._data(jax.vmap(self.tangents)(tuple(loss_cotangents)), batch_axis=1)
 
 
-def _fold_uses(uses: list[dict], batch_axis: int) -> dict:
+def _fold_scan(use: dict, batch_axis: int) -> dict:
+    """Folds the iterations of a use inside a scan (leading axis of the inputs and
+    outputs, ``batch_axis`` of the cotangents) into the batch axis that follows,
+    iteration-major (for a generic tag, the cotangents of the iterations are summed)."""
+    if not use["inputs"]:
+        tangents = tuple(jnp.sum(t, axis=batch_axis) for t in use["outputs_tangent"])
+        return dict(use, outputs=use["params"], outputs_tangent=tangents)
+
+    def merge(arrays, axis):
+        return tuple(
+            a.reshape(a.shape[:axis] + (a.shape[axis] * a.shape[axis + 1],) + a.shape[axis + 2 :])
+            for a in arrays
+        )
+
+    return dict(
+        use,
+        inputs=merge(use["inputs"], 0),
+        outputs=merge(use["outputs"], 0),
+        outputs_tangent=merge(use["outputs_tangent"], batch_axis),
+    )
+
+
+def _fold_uses(uses: list[dict], batch_axis: int, lead: int = 0) -> dict:
     """Merges the data of a layer's uses: inputs, outputs and cotangents are
     concatenated along the batch axis (for a generic tag, whose cotangent is the
-    parameter gradient, the cotangents of the uses are summed)."""
+    parameter gradient, the cotangents of the uses are summed). ``lead`` axes
+    (the layer axis of a stacked layer) come before the batch axis."""
     if len(uses) == 1:
         return uses[0]
 
@@ -288,10 +423,10 @@ def _fold_uses(uses: list[dict], batch_axis: int) -> dict:
         tangents = tuple(sum(ts) for ts in zip(*(u["outputs_tangent"] for u in uses), strict=True))
         return dict(uses[0], outputs_tangent=tangents)
     return dict(
-        inputs=cat("inputs", 0),
-        outputs=cat("outputs", 0),
+        inputs=cat("inputs", lead),
+        outputs=cat("outputs", lead),
         params=uses[0]["params"],
-        outputs_tangent=cat("outputs_tangent", batch_axis),
+        outputs_tangent=cat("outputs_tangent", batch_axis + lead),
     )
 
 
@@ -324,7 +459,11 @@ def layer_tags_vjp(
     predictions, vjp_fn, (records, loss_operands, _) = jax.vjp(
         lambda p: _forward(traced, flat_args, p), _zero_perturbations(traced), has_aux=True
     )
-    vjp = LayerTagsVjp(vjp_fn, records, traced.use_to_layer)
+    use_scans = tuple(
+        (length, traced.layers[layer].stack_size is not None)
+        for length, layer in zip(traced.use_scan_lengths, traced.use_to_layer, strict=True)
+    )
+    vjp = LayerTagsVjp(vjp_fn, records, traced.use_to_layer, use_scans)
     return _make_losses(loss_operands, predictions), vjp
 
 

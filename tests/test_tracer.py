@@ -265,21 +265,20 @@ def test_whole_loss_function_under_jit_wrapper_is_traced():
         np.testing.assert_allclose(layer["outputs_tangent"][0], want, **TOL)
 
 
-def test_tag_inside_scan_raises():
+def test_tag_inside_cond_raises():
+    # Tags inside lax.scan are read (tests/graph_matcher/test_scan.py); inside cond they are not.
     params, batch = _params(), _batch()
 
     def loss_fn(params, batch):
         x, labels, _ = batch
         (w1, b1), (w2, b2), _ = params
-
-        def body(carry, xi):
-            return carry, _tagged_dense(xi, w1, b1)
-
-        _, ys = jax.lax.scan(body, 0.0, jnp.stack([x, 2.0 * x]))
-        logits = _tagged_dense(jnp.tanh(jnp.sum(ys, axis=0)), w2, b2)
+        h = jax.lax.cond(
+            jnp.sum(x) > 0, lambda x: _tagged_dense(x, w1, b1), lambda x: dense(x, w1, b1), x
+        )
+        logits = _tagged_dense(jnp.tanh(h), w2, b2)
         return kfacx.register_softmax_cross_entropy_loss(logits, labels).sum()
 
-    with pytest.raises(ValueError, match="scan"):
+    with pytest.raises(ValueError, match=r"inside a `cond` primitive.*not inside `cond`"):
         kfacx.layer_tags_vjp(loss_fn, (params, batch))
 
 

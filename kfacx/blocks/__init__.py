@@ -3,6 +3,8 @@
 All blocks are pure: ``init`` / ``update_curvature_matrix_estimate`` /
 ``update_cache`` return a new `BlockState`; ``multiply_matpower`` returns a new
 vector. Abstract bases: `CurvatureBlock` and `TwoKroneckerFactored`.
+`StackedBlock` wraps any block for layers stacked along a leading axis
+(`lax.scan` over the parameters, `hk.layer_stack`).
 """
 
 from kfacx.blocks._base import (
@@ -34,6 +36,7 @@ from kfacx.blocks._kronecker import (
     KroneckerPair,
     TwoKroneckerFactored,
 )
+from kfacx.blocks._stacked import StackedBlock
 
 __all__ = [
     "BlockState",
@@ -53,6 +56,7 @@ __all__ = [
     "LayerInfo",
     "ScaleAndShiftDiagonal",
     "ScaleAndShiftFull",
+    "StackedBlock",
     "TwoKroneckerFactored",
     "WeightedMovingAverage",
     "flatten_params",

@@ -32,8 +32,14 @@ class LayerInfo:
       meta: the tag's static metadata (e.g. conv strides).
       compute: ``compute(inputs, params, **meta) -> outputs`` or None.
       num_uses: how many times the layer is applied with these parameters
-        (tied weights); the estimation data of all uses is folded into the
-        batch axis.
+        (tied weights, or parameters closed over by a `lax.scan` body); the
+        estimation data of all uses is folded into the batch axis.
+      stack_size: None for an ordinary layer. For a *stacked* layer, ``L``: the
+        layer sits in a `lax.scan` (e.g. `hk.layer_stack`) that scans over its
+        parameters, so it is ``L`` independent layers whose parameters are
+        stacked along a leading axis; every shape above then starts with
+        ``L`` (`unstacked` describes one slice). The estimator serves it with
+        a `kfacx.blocks.StackedBlock`.
     """
 
     tag_name: str
@@ -45,11 +51,32 @@ class LayerInfo:
     meta: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     compute: Callable[..., tuple] | None = None
     num_uses: int = 1
+    stack_size: int | None = None
 
     @property
     def name(self) -> str:
         """A readable name: the tag and the parameter paths."""
         return f"{self.tag_name}[{', '.join(self.parameter_paths)}]"
+
+    def unstacked(self) -> LayerInfo:
+        """The `LayerInfo` of one slice of a stacked layer (shapes without the layer axis).
+
+        Raises:
+          ValueError: if the layer is not stacked.
+        """
+        if self.stack_size is None:
+            raise ValueError(f"Layer {self.name} is not stacked (stack_size is None).")
+
+        def drop(shapes):
+            return tuple(tuple(s)[1:] for s in shapes)
+
+        return dataclasses.replace(
+            self,
+            parameter_shapes=drop(self.parameter_shapes),
+            input_shapes=drop(self.input_shapes),
+            output_shapes=drop(self.output_shapes),
+            stack_size=None,
+        )
 
     @classmethod
     def from_params(cls, tag_name: str, params: Sequence[Any], **kwargs: Any) -> LayerInfo:
@@ -137,6 +164,11 @@ class CurvatureBlock(abc.ABC):
     def dim(self) -> int:
         """Total number of parameters covered by the block."""
         return sum(math.prod(s) for s in self.parameters_shapes)
+
+    @property
+    def block_name(self) -> str:
+        """The name of the block kind (shown in the registration report)."""
+        return type(self).__name__
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.layer.name})"

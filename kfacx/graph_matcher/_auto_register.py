@@ -47,7 +47,12 @@ class _Plan:
         return out
 
 
-def _plan(jaxpr, origins, patterns, claims: dict[int, tuple], notes: list) -> _Plan:
+def _plan(jaxpr, origins, patterns, claims: dict[int, tuple], notes: list, in_scan=False) -> _Plan:
+    """Matches in ``jaxpr`` and, recursively, in call bodies and (one level of) scan bodies.
+
+    Inside a scan body, parameters closed over (consts) keep their leaf index and
+    scanned-over ones (xs) are labelled `kfacx._jaxpr.ScanSlice` (stacked layers).
+    """
     matches = find_matches(jaxpr, origins, patterns, claims, notes)
     env = dict(zip(jaxpr.invars, origins, strict=True))
     children = {}
@@ -55,21 +60,50 @@ def _plan(jaxpr, origins, patterns, claims: dict[int, tuple], notes: list) -> _P
         ins = [None if isinstance(v, jex.core.Literal) else env.get(v) for v in eqn.invars]
         if all(o is None for o in ins):
             continue
+        leaves = tuple(_jaxpr.leaf_origin(o) for o in ins if o is not None)
         body = _jaxpr.call_body(eqn)
-        if body is None:
-            if any(True for _ in _jaxpr.sub_jaxprs(eqn)):
+        if body is not None:
+            child = _plan(body[0], ins, patterns, claims, notes, in_scan)
+        elif _jaxpr.is_scan(eqn) and not in_scan:
+            _note_scan_carry(eqn, ins, notes)
+            body_origins = _jaxpr.scan_body_origins(eqn, ins)
+            child = _plan(eqn.params["jaxpr"].jaxpr, body_origins, patterns, claims, notes, True)
+        else:
+            if _jaxpr.is_scan(eqn):
+                notes.append(
+                    (
+                        "parameters enter a `scan` nested in another `scan`; kfacx serves layers "
+                        "inside one scan only (unroll the outer loop), so those used only there "
+                        "get the fallback block",
+                        leaves,
+                    )
+                )
+            elif any(True for _ in _jaxpr.sub_jaxprs(eqn)):
                 notes.append(
                     (
                         f"parameters enter a `{eqn.primitive.name}` primitive, which detection "
                         "does not look into yet; those used only there get the fallback block",
-                        tuple(o for o in ins if o is not None),
+                        leaves,
                     )
                 )
             continue
-        child = _plan(body[0], ins, patterns, claims, notes)
         if child.matches or child.children:
             children[i] = child
     return _Plan(matches, children)
+
+
+def _note_scan_carry(eqn, ins, notes: list) -> None:
+    nc, ncarry = eqn.params["num_consts"], eqn.params["num_carry"]
+    carried = tuple(_jaxpr.leaf_origin(o) for o in ins[nc : nc + ncarry] if o is not None)
+    if carried:
+        notes.append(
+            (
+                "parameters enter a `scan` as its carry (loop state); detection follows "
+                "parameters the scan runs over (xs) or closes over (consts), so those used only "
+                "through the carry get the fallback block",
+                carried,
+            )
+        )
 
 
 def _specs(func_args):
@@ -94,6 +128,8 @@ def _evaluate(jaxpr, consts, args, plan: _Plan):
         invals = [read(v) for v in eqn.invars]
         if i in plan.children and eqn.primitive.name in _CUSTOM_DERIVATIVES:
             outvals = _rebind_custom(eqn, invals, plan.children[i])
+        elif i in plan.children and _jaxpr.is_scan(eqn):
+            outvals = _rebind_scan(eqn, invals, plan.children[i])
         elif i in plan.children:
             body, body_consts = _jaxpr.call_body(eqn)
             outvals = _evaluate(body, body_consts, invals, plan.children[i])
@@ -119,6 +155,30 @@ def _rebind_custom(eqn, invals, plan: _Plan):
     tagged_body = jax.make_jaxpr(lambda *a: _evaluate(body, consts, a, plan))(*avals)
     new = eqn.replace(params=dict(eqn.params, call_jaxpr=tagged_body))
     return _jaxpr.bind_eqn(new, invals)
+
+
+def _rebind_scan(eqn, invals, plan: _Plan):
+    """Binds a scan with a tagged body (same length, direction and operands)."""
+    closed = eqn.params["jaxpr"]
+    body = closed.jaxpr
+    avals = [
+        jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
+        for v in body.invars
+    ]
+    tagged = jax.make_jaxpr(lambda *a: _evaluate(body, closed.consts, a, plan))(*avals)
+    params = dict(eqn.params)
+    if tagged.consts:
+        # Constants captured by the tagged body become leading const operands of the scan.
+        k = len(tagged.consts)
+        jaxpr = tagged.jaxpr
+        jaxpr = jaxpr.replace(constvars=[], invars=[*jaxpr.constvars, *jaxpr.invars])
+        invals = [*tagged.consts, *invals]
+        tagged = jex.core.ClosedJaxpr(jaxpr, ())
+        params["num_consts"] += k
+        if "linear" in params:
+            params["linear"] = (False,) * k + tuple(params["linear"])
+    params["jaxpr"] = tagged
+    return _jaxpr.bind_eqn(eqn.replace(params=params), invals)
 
 
 def auto_register_tags(
@@ -204,7 +264,13 @@ def auto_register_tags(
     tagged_jaxpr = jax.make_jaxpr(tagged)(*_specs(func_args)).jaxpr
     final = _tagged_leaves(tagged_jaxpr, origins)
     entries = tuple(
-        RegistrationEntry(path, *final[i][:2], source=sources.get(i, "unmatched"), uses=final[i][2])
+        RegistrationEntry(
+            path,
+            *final[i][:2],
+            source=sources.get(i, "unmatched"),
+            uses=final[i][2],
+            stack_size=final[i][3],
+        )
         for i, path in enumerate(paths)
     )
     return tagged, RegistrationReport(entries, tuple(unmatched), notes)
@@ -215,25 +281,32 @@ def _manual_claims(jaxpr, origins) -> dict[int, tuple]:
     for eqn, ins in _jaxpr.walk_tags(jaxpr, origins):
         tag = tags.layer_tag_for(eqn.primitive)
         if tag is not None:
-            claims.update({leaf: MANUAL for leaf in tag.split(ins)[2] if leaf is not None})
+            claims.update(
+                {_jaxpr.leaf_origin(o): MANUAL for o in tag.split(ins)[2] if o is not None}
+            )
     return claims
 
 
-def _tagged_leaves(jaxpr, origins) -> dict[int, tuple[str, int, int]]:
-    """Parameter leaf -> (tag name, layer index, uses) for every layer tag, in evaluation
-    order (a layer applied several times with the same parameters is one layer)."""
+def _tagged_leaves(jaxpr, origins) -> dict[int, tuple[str, int, int, int | None]]:
+    """Parameter leaf -> (tag name, layer index, uses, stack size) for every layer tag, in
+    evaluation order (a layer applied several times with the same parameters, e.g. at every
+    iteration of a scan, is one layer; a scan over its parameters makes a stacked layer)."""
     out: dict[int, list] = {}
     layer = 0
-    for eqn, ins in _jaxpr.walk_tags(jaxpr, origins):
+    for eqn, ins, scans in _jaxpr.tag_sites(jaxpr, origins):
         tag = tags.layer_tag_for(eqn.primitive)
         if tag is None:
             continue
-        leaves = [o for o in tag.split(ins)[2] if o is not None]
+        params = [o for o in tag.split(ins)[2] if o is not None]
+        leaves = [_jaxpr.leaf_origin(o) for o in params]
+        stacked = any(isinstance(o, _jaxpr.ScanSlice) for o in params)
+        length = int(scans[-1].params["length"]) if scans else None
+        uses = length if scans and not stacked else 1
         if leaves and all(o in out for o in leaves):
             for o in leaves:
-                out[o][2] += 1
+                out[o][2] += uses
             continue
-        out.update({o: [tag.name, layer, 1] for o in leaves})
+        out.update({o: [tag.name, layer, uses, length if stacked else None] for o in leaves})
         layer += 1
     return {o: tuple(v) for o, v in out.items()}
 

@@ -47,6 +47,8 @@ class Match:
       param_leaves: the parameter-leaf indices of ``param_vars``.
       output_var: the value the tag wraps.
       meta: the tag's static metadata from the extractor.
+      stacked: whether the parameters are slices of a scan's ``xs`` (a stacked
+        layer, e.g. `hk.layer_stack`) rather than whole parameter leaves.
     """
 
     pattern: GraphPattern
@@ -56,6 +58,7 @@ class Match:
     param_leaves: list[int]
     output_var: Any
     meta: dict[str, Any]
+    stacked: bool = False
 
 
 class _Graph:
@@ -252,10 +255,11 @@ def _verified(match: Match, graph: _Graph) -> bool:
 MANUAL = ("manual",)
 
 
-def claim_key(tag_name: str, leaves: Sequence[int], meta: dict) -> tuple:
+def claim_key(tag_name: str, leaves: Sequence[int], meta: dict, stacked: bool = False) -> tuple:
     """What a layer claims of its parameters: a later match may share them (tied
-    weights) only if it is the same kind of layer on the same parameters."""
-    return (tag_name, tuple(leaves), tuple(sorted(meta.items())))
+    weights) only if it is the same kind of layer on the same parameters (stacked
+    slices of them, or the whole parameters)."""
+    return (tag_name, tuple(leaves), tuple(sorted(meta.items())), stacked)
 
 
 def _try_match(pattern, graph, t_eqn, claimed, claims, notes) -> Match | None:
@@ -272,9 +276,11 @@ def _try_match(pattern, graph, t_eqn, claimed, claims, notes) -> Match | None:
     params = [state.binding.get(v) for v in p.invars[pattern.num_inputs :]]
     if any(v is None for v in inputs + params) or any(v in params for v in inputs):
         return None
-    leaves = [graph.origin[v] for v in params]
+    origins = [graph.origin[v] for v in params]
+    leaves = [_jaxpr.leaf_origin(o) for o in origins]
     if len(set(leaves)) != len(leaves):
         return None
+    sliced = {isinstance(o, _jaxpr.ScanSlice) for o in origins}
     eqns = sorted(state.matched.values(), key=lambda e: graph.order[id(e)])
     if _internal_values_escape(graph, eqns, tv):
         return None
@@ -284,10 +290,20 @@ def _try_match(pattern, graph, t_eqn, claimed, claims, notes) -> Match | None:
         return None
     if meta is None:
         return None
-    match = Match(pattern, eqns, inputs, params, leaves, tv, dict(meta))
+    match = Match(pattern, eqns, inputs, params, leaves, tv, dict(meta), stacked=True in sliced)
     if not _verified(match, graph):
         return None
-    key = claim_key(pattern.tag_primitive.name, leaves, match.meta)
+    if len(sliced) > 1:
+        notes.append(
+            (
+                f"a `{pattern.name}` layer inside a `scan` has parameters the scan runs over (xs) "
+                "and parameters it closes over (consts); kfacx serves a layer in a scan whose "
+                "parameters are all stacked or all shared, so it is not tagged",
+                tuple(leaves),
+            )
+        )
+        return None
+    key = claim_key(pattern.tag_primitive.name, leaves, match.meta, match.stacked)
     if any(claims.get(leaf) == MANUAL for leaf in leaves):
         return None  # Tagged by hand: the user's registration is kept as it is.
     if any(claims.get(leaf, key) != key for leaf in leaves):
@@ -330,7 +346,9 @@ def find_matches(
             for match in pattern_matches:
                 matches.append(match)
                 claimed.update(id(e) for e in match.eqns)
-                key = claim_key(match.pattern.tag_primitive.name, match.param_leaves, match.meta)
+                key = claim_key(
+                    match.pattern.tag_primitive.name, match.param_leaves, match.meta, match.stacked
+                )
                 claims.update({leaf: key for leaf in match.param_leaves})
     return matches
 
@@ -346,7 +364,7 @@ def _match_pattern(pattern, graph: _Graph, claimed: set[int], claims: dict, note
             continue
         out.append(match)
         claimed.update(id(e) for e in match.eqns)
-        key = claim_key(pattern.tag_primitive.name, match.param_leaves, match.meta)
+        key = claim_key(pattern.tag_primitive.name, match.param_leaves, match.meta, match.stacked)
         claims.update({leaf: key for leaf in match.param_leaves})
     return out
 

@@ -17,7 +17,10 @@ class RegistrationEntry:
         `GraphPattern` that matched, or ``"unmatched"``.
       layer: index of the layer (tag) among all layers, in evaluation order.
       block: name of the curvature block class serving it ("" until known).
-      uses: how many times the layer is applied (more than 1 for tied weights).
+      uses: how many times the layer is applied (more than 1 for tied weights,
+        and the scan length for a layer applied at every iteration of a `lax.scan`).
+      stack_size: for a stacked layer (a `lax.scan` over its parameters, e.g.
+        `hk.layer_stack`), the number of stacked layers; None otherwise.
     """
 
     path: str
@@ -26,6 +29,7 @@ class RegistrationEntry:
     source: str
     block: str = ""
     uses: int = 1
+    stack_size: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +41,9 @@ class RegistrationReport:
       unmatched: paths of the parameters no pattern (and no manual tag) matched.
       notes: anything else the user should know (e.g. parameters used by
         several layers, parameters inside loops that are not looked into).
+
+    In the text, the layer column shows ``(xN)`` for a layer applied ``N``
+    times and ``(N stacked)`` for a stacked layer.
 
     ``str(report)`` is a readable table.
     """
@@ -62,7 +69,9 @@ class RegistrationReport:
         rows = [
             (
                 e.path,
-                f"{e.layer}" + (f" (x{e.uses})" if e.uses > 1 else ""),
+                f"{e.layer}"
+                + (f" (x{e.uses})" if e.uses > 1 else "")
+                + (f" ({e.stack_size} stacked)" if e.stack_size else ""),
                 e.tag,
                 e.source,
                 e.block or "-",

@@ -154,21 +154,23 @@ def test_params_index_other_than_zero():
     np.testing.assert_allclose(tagged(case.batch, case.params), case.loss(*case.args), **TOL)
 
 
-def test_parameters_inside_scan_fall_back_with_a_note():
+def test_parameters_inside_cond_fall_back_with_a_note():
+    # Layers inside lax.scan are detected (tests/graph_matcher/test_scan.py); cond is not.
     rng = np.random.default_rng(0)
-    params = dict(w0=M.normal(rng, 4, 3), ws=M.normal(rng, 2, 3, 3, scale=0.3))
+    params = dict(w0=M.normal(rng, 4, 3), ws=M.normal(rng, 3, 3, scale=0.3))
     batch = M.two_layer_batch()
 
     def loss(p, batch):
         x, t = batch
-        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x @ p["w0"], p["ws"])
+        h = x @ p["w0"]
+        h = jax.lax.cond(jnp.sum(h) > 0, lambda h: jnp.tanh(h @ p["ws"]), jnp.tanh, h)
         return M.squared_loss(h, t)
 
     with pytest.warns(UserWarning, match="ws"):
         tagged, report = auto_register_tags(loss, (params, batch))
     assert report.unmatched == ("ws",)
     assert {e.path: e.tag for e in report.entries} == {"w0": M.DENSE, "ws": M.GENERIC}
-    assert any("scan" in n for n in report.notes)
+    assert any("`cond`" in n for n in report.notes)
     assert_trees_close(jax.grad(tagged)(params, batch), jax.grad(loss)(params, batch))
 
 
