@@ -305,3 +305,144 @@ class HaikuTaggedMLP(hk.Module):
         for layer in self.layers[:-1]:
             x = jnp.tanh(layer(x))
         return self.layers[-1](x)
+
+
+# ----------------------------------------------------------------------------- scan models
+# Layers inside `lax.scan`, and the same models unrolled with Python loops (which kfacx
+# serves as separate layers for stacked parameters, or as tied uses for parameters shared
+# by all iterations). ``tag=True`` registers every layer by hand.
+
+#: How the scan is written: plain, reversed, its body under jax.jit or jax.checkpoint.
+SCAN_VARIANTS = ("plain", "reverse", "jit", "checkpoint")
+
+
+def scan_with(variant: str, body, init, xs):
+    """``jax.lax.scan(body, init, xs)`` written as ``variant`` (see `SCAN_VARIANTS`)."""
+    if variant == "jit":
+        body = jax.jit(body)
+    elif variant == "checkpoint":
+        body = jax.checkpoint(body)
+    return jax.lax.scan(body, init, xs, reverse=variant == "reverse")
+
+
+def loop_order(variant: str, length: int) -> range:
+    """The iteration order of `scan_with` (slice indices)."""
+    return range(length - 1, -1, -1) if variant == "reverse" else range(length)
+
+
+def _maybe_tag_dense(tag: bool, y, x, w, b=None):
+    return kfacx.register_dense(y, x, w, b) if tag else y
+
+
+def init_stacked_mlp(d_in: int, width: int, depth: int, d_out: int, seed: int = 0) -> dict:
+    """``inp`` and ``out`` dense layers around ``depth`` hidden layers stacked in ``hidden``."""
+    rng = np.random.default_rng(seed)
+
+    def layer(*lead, d_i, d_o):
+        w = normal(rng, *lead, d_i, d_o, scale=1.0 / np.sqrt(d_i))
+        return dict(w=w, b=normal(rng, *lead, d_o, scale=0.5))
+
+    return dict(
+        inp=layer(d_i=d_in, d_o=width),
+        hidden=layer(depth, d_i=width, d_o=width),
+        out=layer(d_i=width, d_o=d_out),
+    )
+
+
+def _mlp_edge(p, x, tag):
+    return _maybe_tag_dense(tag, dense(x, p["w"], p["b"]), x, p["w"], p["b"])
+
+
+def stacked_mlp_logits(params, x, variant: str = "plain", tag: bool = False):
+    """tanh MLP whose hidden layers run in a `lax.scan` over the stacked parameters."""
+
+    def body(h, p):
+        return jnp.tanh(_mlp_edge(p, h, tag)), None
+
+    h = jnp.tanh(_mlp_edge(params["inp"], x, tag))
+    h, _ = scan_with(variant, body, h, params["hidden"])
+    return _mlp_edge(params["out"], h, tag)
+
+
+def unstack_mlp(params, key: str = "hidden") -> dict:
+    """``params[key]`` stacked ``[L, ...]`` -> a list of ``L`` layers (any array type)."""
+    depth = jax.tree_util.tree_leaves(params[key])[0].shape[0]
+    hidden = [jax.tree_util.tree_map(lambda a, i=i: a[i], params[key]) for i in range(depth)]
+    return dict(params, **{key: hidden})
+
+
+def unrolled_mlp_logits(params, x, variant: str = "plain", tag: bool = False):
+    """`stacked_mlp_logits` with a Python loop over ``unstack_mlp(params)["hidden"]``."""
+    h = jnp.tanh(_mlp_edge(params["inp"], x, tag))
+    for i in loop_order(variant, len(params["hidden"])):
+        h = jnp.tanh(_mlp_edge(params["hidden"][i], h, tag))
+    return _mlp_edge(params["out"], h, tag)
+
+
+def haiku_layer_stack_mlp(width: int, depth: int, d_out: int):
+    """A Haiku MLP with ``depth`` `hk.Linear` + tanh layers in `hk.layer_stack`; its
+    parameters map to `unrolled_mlp_logits`'s with `haiku_stack_to_unrolled`."""
+
+    def forward(x):
+        x = jnp.tanh(hk.Linear(width, name="inp")(x))
+        x = hk.layer_stack(depth)(lambda h: jnp.tanh(hk.Linear(width, name="hidden")(h)))(x)
+        return hk.Linear(d_out, name="out")(x)
+
+    return hk.without_apply_rng(hk.transform(forward))
+
+
+def haiku_stack_to_unrolled(params) -> dict:
+    """Haiku layer-stack parameters -> the parameters of `unrolled_mlp_logits`."""
+    stacked = params["__layer_stack_no_per_layer/hidden"]
+    return unstack_mlp(dict(inp=params["inp"], hidden=stacked, out=params["out"]))
+
+
+def init_rnn(d_in: int, hidden: int, d_out: int, seed: int = 0) -> dict:
+    """An Elman RNN ``h = tanh(x_t @ wx + h @ wh + b)`` and a readout ``(wo, bo)``."""
+    rng = np.random.default_rng(seed)
+    return dict(
+        wx=normal(rng, d_in, hidden, scale=1.0 / np.sqrt(d_in)),
+        wh=normal(rng, hidden, hidden, scale=1.0 / np.sqrt(hidden)),
+        b=normal(rng, hidden, scale=0.5),
+        wo=normal(rng, hidden, d_out, scale=1.0 / np.sqrt(hidden)),
+        bo=normal(rng, d_out, scale=0.5),
+    )
+
+
+def _rnn_cell(p, h, x, tag):
+    a = _maybe_tag_dense(tag, jnp.tensordot(x, p["wx"], axes=1), x, p["wx"])
+    r = _maybe_tag_dense(tag, dense(h, p["wh"], p["b"]), h, p["wh"], p["b"])
+    return jnp.tanh(a + r)
+
+
+def rnn_logits(params, xs, variant: str = "plain", tag: bool = False):
+    """The RNN over ``xs [batch, time, d_in]`` by `lax.scan` (weights shared by all steps)."""
+    h0 = jnp.zeros((xs.shape[0], params["wh"].shape[0]), xs.dtype)
+    h, _ = scan_with(
+        variant, lambda h, x: (_rnn_cell(params, h, x, tag), None), h0, jnp.swapaxes(xs, 0, 1)
+    )
+    return _maybe_tag_dense(
+        tag, dense(h, params["wo"], params["bo"]), h, params["wo"], params["bo"]
+    )
+
+
+def unrolled_rnn_logits(params, xs, variant: str = "plain", tag: bool = False):
+    """`rnn_logits` with a Python loop over time (tied weights)."""
+    h = jnp.zeros((xs.shape[0], params["wh"].shape[0]), xs.dtype)
+    for t in loop_order(variant, xs.shape[1]):
+        h = _rnn_cell(params, h, xs[:, t], tag)
+    return _maybe_tag_dense(
+        tag, dense(h, params["wo"], params["bo"]), h, params["wo"], params["bo"]
+    )
+
+
+def loss_of_logits(logits_fn, kind: str = "squared", **kwargs):
+    """``loss(params, (x, t))`` with loss ``kind`` on ``logits_fn(params, x, **kwargs)``."""
+
+    def loss(params, batch):
+        x, t = batch
+        z = logits_fn(params, x, **kwargs)
+        register_loss(kind, z, t, 1.0)
+        return per_example_loss_sum(kind, z, t, 1.0) / x.shape[0]
+
+    return loss

@@ -109,9 +109,13 @@ class WeightedMovingAverage(NamedTuple):
 
     @property
     def value(self) -> jax.Array:
-        """The bias-corrected average."""
-        safe = jnp.where(self.weight > 0, self.weight, 1.0)
-        return jnp.where(self.weight > 0, self.raw_value / safe, 0.0).astype(self.raw_value.dtype)
+        """The bias-corrected average (a stacked average, e.g. of a `StackedBlock`, has a
+        weight per leading index)."""
+        weight = self.weight.reshape(
+            self.weight.shape + (1,) * (self.raw_value.ndim - self.weight.ndim)
+        )
+        safe = jnp.where(weight > 0, weight, 1.0)
+        return jnp.where(weight > 0, self.raw_value / safe, 0.0).astype(self.raw_value.dtype)
 
     def update(self, statistic: jax.Array, ema_old: Any, ema_new: Any) -> WeightedMovingAverage:
         """Folds ``statistic`` in; returns the new average."""
