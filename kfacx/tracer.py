@@ -169,14 +169,15 @@ def _shared_layer(shared: set[int], layers, leaves_of, info: LayerInfo, leaf_ids
     """The layer whose parameters a new tag shares; the uses must be the same kind of layer."""
     (index,) = shared if len(shared) == 1 else (None,)
     first = layers[index] if index is not None else None
+    k = 1 if info.stack_size is None else 2  # per-example shapes: after [batch] or [L, batch]
     same = (
         first is not None
         and leaves_of[index] == leaf_ids
         and first.tag_name == info.tag_name
         and first.stack_size == info.stack_size
         and dict(first.meta) == dict(info.meta)
-        and [s[1:] for s in first.input_shapes] == [s[1:] for s in info.input_shapes]
-        and [s[1:] for s in first.output_shapes] == [s[1:] for s in info.output_shapes]
+        and [s[k:] for s in first.input_shapes] == [s[k:] for s in info.input_shapes]
+        and [s[k:] for s in first.output_shapes] == [s[k:] for s in info.output_shapes]
     )
     if not same:
         raise ValueError(

@@ -319,6 +319,34 @@ def test_layer_stack_end_to_end_under_jit():
     assert_trees_close(eager, precond, rtol=1e-8)
 
 
+def _twice(logits):
+    """The model applied to the batch and to twice its first two examples (tied uses with
+    different batch sizes)."""
+
+    def twice(params, x):
+        return logits(params, x)[:2] + logits(params, 2.0 * x[:2])
+
+    return twice
+
+
+def test_stack_applied_twice_is_one_stacked_layer_with_two_uses():
+    params, (x, t) = stacked_problem()
+    args, loop_args = (params, (x, t[:2])), (TM.unstack_mlp(params), (x, t[:2]))
+    mode = "fisher_empirical"
+    scan = estimate(TM.loss_of_logits(_twice(TM.stacked_mlp_logits)), args, mode, ctors=FULL_DENSE)
+    loop_loss = TM.loss_of_logits(_twice(TM.unrolled_mlp_logits))
+    loop = estimate(loop_loss, loop_args, mode, ctors=FULL_DENSE)
+    est = scan["estimator"]
+    assert [b.block_name for b in est.blocks] == ["Full", "StackedBlock(Full)", "Full"]
+    assert [layer.num_uses for layer in est._traced.layers] == [2, 2, 2]
+    assert {(e.uses, e.stack_size) for e in est.report.entries if "hidden" in e.path} == {
+        (2, DEPTH)
+    }
+    assert re.search(rf"^hidden/w\s+1 \(x2\) \({DEPTH} stacked\)", str(est.report), re.M)
+    perm = unrolled_positions(params, TM.unstack_mlp)
+    assert_close(scan["dense"][np.ix_(perm, perm)], loop["dense"])
+
+
 # ----------------------------------------------------------------------------- generic tags
 
 
@@ -503,3 +531,39 @@ def test_tags_in_while_loop_raise_and_carried_parameters_fall_back():
         tagged, report = kfacx.auto_register_tags(carry_loss, (dict(w=w), batch))
     assert report.unmatched == ("w",)
     assert_trees_close(jax.grad(tagged)(dict(w=w), batch), jax.grad(carry_loss)(dict(w=w), batch))
+
+
+def test_tagged_scan_body_constants_become_const_operands():
+    """A scan body holding constants (a `ClosedJaxpr` with consts) is rebound with the
+    constants as leading const operands of the scan."""
+    from kfacx.graph_matcher import _auto_register as AR
+
+    rng = np.random.default_rng(0)
+    mask, w = rng.standard_normal(WIDTH), f64(rng.standard_normal((DEPTH, WIDTH, WIDTH)) / 3)
+    x = f64(rng.standard_normal((BATCH, WIDTH)))
+
+    def f(w, x):
+        return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w + jnp.asarray(mask)[None]), None), x, w)
+
+    closed = jax.make_jaxpr(f)(w, x)
+    (eqn,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "scan"]
+    nc, body = eqn.params["num_consts"], eqn.params["jaxpr"]
+    assert nc == 1
+    # Move the const operand into the body's own consts.
+    values = dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
+    inner = body.jaxpr.replace(constvars=body.jaxpr.invars[:nc], invars=body.jaxpr.invars[nc:])
+    closed_body = jax.extend.core.ClosedJaxpr(inner, [values[v] for v in eqn.invars[:nc]])
+    eqn = eqn.replace(
+        invars=eqn.invars[nc:], params=dict(eqn.params, num_consts=0, jaxpr=closed_body)
+    )
+    want = kfacx._jaxpr.bind_eqn(eqn, [x, w])
+    origins = kfacx._jaxpr.scan_body_origins(eqn, [None, 0])
+    plan = AR._plan(inner, origins, list(kfacx.DEFAULT_GRAPH_PATTERNS), {}, [], True)
+    assert [m.stacked for m in plan.matches] == [True]
+    tagged = jax.make_jaxpr(lambda x, w: AR._rebind_scan(eqn, [x, w], plan))(x, w)
+    (scan,) = tagged.jaxpr.eqns
+    assert scan.params["num_consts"] == 1 and scan.params["jaxpr"].consts == []
+    assert kfacx._jaxpr.contains_tags(scan.params["jaxpr"].jaxpr)
+    got = jax.extend.core.jaxpr_as_fun(tagged)(x, w)
+    for g, v in zip(got, want, strict=True):
+        assert_close(g, v)
