@@ -275,6 +275,18 @@ def test_hand_tagged_curvature_equals_unrolled(name):
     assert_close(scan["dense"][np.ix_(perm, perm)], loop["dense"])
 
 
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_hand_tags_in_scan_are_kept_by_detection(name):
+    loss, _, _, args = losses(name, tag=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tagged, report = kfacx.auto_register_tags(loss, args)
+    assert {e.source for e in report.entries} == {"manual"}
+    (scan,) = [e for e in jax.make_jaxpr(tagged)(*args).jaxpr.eqns if e.primitive.name == "scan"]
+    body_tags = [e for e in scan.params["jaxpr"].jaxpr.eqns if e.primitive.name == "dense_tag"]
+    assert len(body_tags) == (1 if name == "stacked" else 2)  # not tagged twice
+
+
 def _check_products(scan, loop, vector, to_unrolled):
     # Exact power: the inverse of the damped dense matrix (vector layout == dense layout).
     flat_v = np.asarray(ravel_pytree(vector)[0])
@@ -293,6 +305,11 @@ def test_inverse_products_equal_unrolled_and_dense(name):
 
 def test_layer_stack_curvature_equals_unrolled():
     scan, loop, params, v = layer_stack_estimates()
+    model, _, batch = haiku_problem()
+    loss, est = TM.loss_of_logits(model.apply), scan["estimator"]
+    tagged = est.tagged_func((params, batch))
+    want = jax.value_and_grad(loss)(params, batch)
+    assert_trees_close(fast_jit(jax.value_and_grad(tagged))(params, batch), want)
     perm = unrolled_positions(params, TM.haiku_stack_to_unrolled)
     assert_close(scan["dense"][np.ix_(perm, perm)], loop["dense"])
     _check_products(scan, loop, v, TM.haiku_stack_to_unrolled)
@@ -431,6 +448,29 @@ def test_layer_data_layout():
 # ----------------------------------------------------------------------------- unsupported
 
 
+def warned(*patterns: str):
+    """Records the warnings of a block; each pattern must match one of them."""
+    return _Warned(patterns)
+
+
+class _Warned(warnings.catch_warnings):
+    def __init__(self, patterns):
+        super().__init__(record=True)
+        self.patterns = patterns
+
+    def __enter__(self):
+        self.caught = super().__enter__()
+        warnings.simplefilter("always")
+        return self.caught
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        if exc[0] is None:
+            messages = [str(w.message) for w in self.caught]
+            for pattern in self.patterns:
+                assert any(re.search(pattern, m) for m in messages), (pattern, messages)
+
+
 def _nested_loss(tag: bool):
     def loss(params, batch):
         x, t = batch
@@ -457,13 +497,13 @@ def test_nested_scans_raise_or_fall_back():
     with pytest.raises(ValueError, match=r"dense_tag\[w\] sits inside 2 nested `scan`s.*Unroll"):
         kfacx.BlockDiagonalCurvature(_nested_loss(True), auto_register_tags=False).init(KEY, args)
     loss = _nested_loss(False)
-    with pytest.warns(UserWarning, match=r"nested in another `scan`.*\['w'\]"):
+    with warned(r"nested in another `scan`.*\['w'\]", r"no layer pattern matched.*\['w'\]"):
         tagged, report = kfacx.auto_register_tags(loss, args)
     assert report.unmatched == ("w",)
     assert {e.path: e.tag for e in report.entries} == {"w": "generic_tag", "out": "dense_tag"}
     assert_trees_close(jax.grad(tagged)(*args), jax.grad(loss)(*args))
     est = kfacx.BlockDiagonalCurvature(loss)
-    with pytest.warns(UserWarning, match="nested"):
+    with warned("nested", r"no layer pattern matched.*\['w'\]"):
         est.init(KEY, args)
     assert [b.block_name for b in est.blocks] == ["Diagonal", DENSE_KF]
 
@@ -493,7 +533,7 @@ def test_mixed_stacked_and_shared_parameters_raise_or_are_split():
         est.init(KEY, args)
     # Detection does not tag it as one layer: the weight and the bias become two layers.
     loss = _mixed_loss(False)
-    with pytest.warns(UserWarning, match=r"runs over \(xs\).*closes over \(consts\).*'w'"):
+    with warned(r"runs over \(xs\).*closes over \(consts\).*'w'"):
         tagged, report = kfacx.auto_register_tags(loss, args)
     got = {e.path: (e.tag, e.source, e.stack_size, e.uses) for e in report.entries}
     assert got == {
@@ -527,7 +567,7 @@ def test_tags_in_while_loop_raise_and_carried_parameters_fall_back():
         (h, _), _ = jax.lax.scan(body, (batch[0], params["w"]), None, length=2)
         return TM.loss_of_logits(lambda p, h: h)(params, (h, batch[1]))
 
-    with pytest.warns(UserWarning, match=r"as its carry.*\['w'\]"):
+    with warned(r"as its carry.*\['w'\]", r"no layer pattern matched.*\['w'\]"):
         tagged, report = kfacx.auto_register_tags(carry_loss, (dict(w=w), batch))
     assert report.unmatched == ("w",)
     assert_trees_close(jax.grad(tagged)(dict(w=w), batch), jax.grad(carry_loss)(dict(w=w), batch))
