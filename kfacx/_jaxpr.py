@@ -112,6 +112,25 @@ def unsupported_container(eqn: JaxprEqn) -> ValueError:
     )
 
 
+def dce(closed: jex.core.ClosedJaxpr) -> jex.core.ClosedJaxpr:
+    """Drops the top-level equations whose results are unused.
+
+    Tags and effectful equations are always kept. This removes, e.g., the
+    backward pass of a function built as ``jax.value_and_grad(f)(...)[0]``,
+    so that detection does not mistake its products for layers.
+    """
+    jaxpr = closed.jaxpr
+    live = {v for v in jaxpr.outvars if not isinstance(v, jex.core.Literal)}
+    kept = []
+    for eqn in reversed(jaxpr.eqns):
+        if eqn.effects or is_tag_eqn(eqn) or any(v in live for v in eqn.outvars):
+            kept.append(eqn)
+            live.update(v for v in eqn.invars if not isinstance(v, jex.core.Literal))
+    if len(kept) == len(jaxpr.eqns):
+        return closed
+    return jex.core.ClosedJaxpr(jaxpr.replace(eqns=kept[::-1]), closed.consts)
+
+
 def walk_tags(jaxpr: Jaxpr, origins: Sequence[Any]) -> Iterator[tuple[JaxprEqn, list[Any]]]:
     """Yields every tag equation with the *origin* of each of its operands.
 
