@@ -5,7 +5,7 @@ register the loss on the model output, and precondition gradients with
 `BlockDiagonalCurvature`.
 """
 
-from kfacx import blocks, graph_matcher, linalg, losses, tags, tracer
+from kfacx import blocks, graph_matcher, linalg, losses, parallel, tags, tracer
 from kfacx._optax import (
     AccumulateCurvatureStatsState,
     ScaleByKfacState,
@@ -112,6 +112,7 @@ __all__ = [
     "loss_tags_jvp",
     "loss_tags_vjp",
     "losses",
+    "parallel",
     "register_conv",
     "register_conv2d",
     "register_dense",

@@ -102,9 +102,11 @@ class LearningRateConfig:
         (needs the adaptive learning rate).
       momentum_schedule: a number or ``global_step -> momentum``; None means 0
         unless passed to `Optimizer.step` or adaptive.
-      norm_constraint: if given, scale the preconditioned gradient so that
-        ``learning_rate**2 * p^T g <= norm_constraint`` (not with an adaptive
-        learning rate).
+      norm_constraint: if given, scale the preconditioned gradient ``p`` so that
+        the step's squared length in the curvature metric,
+        ``learning_rate**2 * p^T (C + damping I) p`` (``= learning_rate**2 *
+        p^T g`` before scaling), is at most ``norm_constraint`` (as kfac-jax;
+        not with an adaptive learning rate).
     """
 
     use_adaptive_learning_rate: bool = False
@@ -423,6 +425,12 @@ class Optimizer:
             raise ValueError("The batch has no arrays; pass batch_size_extractor.")
         return jnp.asarray(jnp.shape(leaves[0])[0], jnp.int32)
 
+    def _examples_seen(self, batch, axis) -> jax.Array:
+        """Real examples in ``batch`` (all devices): the mask's sum if there is one."""
+        mask = self._mask(batch)
+        n = self._batch_size(batch) if mask is None else jnp.sum(mask).round().astype(jnp.int32)
+        return n if axis is None else jax.lax.psum(n, axis)
+
     def _mask(self, batch):
         fn = self.batch.example_mask_extractor
         return None if fn is None else jnp.asarray(fn(batch), jnp.float32)
@@ -473,10 +481,9 @@ class Optimizer:
 
     def _microbatch(self, batch):
         """One micro-batch's worth of ``batch`` (shapes only matter)."""
-        k = self.batch.num_microbatches
-        if k == 1:
+        if self.batch.num_microbatches == 1:
             return batch
-        return jax.tree.map(lambda x: x[: jnp.shape(x)[0] // k], batch)
+        return jax.tree.map(lambda x: x[0], self._split_batch(batch))
 
     # ---------------------------------------------------------------- batch passes
 
@@ -539,14 +546,8 @@ class Optimizer:
                 value = value[1]
                 stats = zero_stats
             loss, new_state, aux = self._split_output(value)
-            acc = (
-                loss_sum + n * loss,
-                _tree_axpy(n, grads, grad_sum),
-                jax.tree.map(lambda s, t: s + n * t, stats_sum, stats.blocks),
-                total + n,
-                aux,
-            )
-            return acc, new_state
+            sums = _add_weighted((loss_sum, grad_sum, stats_sum), n, (loss, grads, stats.blocks))
+            return (*sums, total + n, aux), new_state
 
         zero_grads = jax.tree.map(jnp.zeros_like, params)
         aux0 = self._aux_shape(params, func_state, rng, batch)
@@ -578,7 +579,7 @@ class Optimizer:
             args = self._func_args(params, state, model_rng, chunk)
             loss, new_state, _ = self._split_output(self._value_func(*args))
             _, n = self._weight(chunk)
-            return (loss_sum + n * loss, total + n), new_state
+            return (_add_weighted(loss_sum, n, loss), total + n), new_state
 
         (loss_sum, total), _ = self._scan_batch(
             batch, func_state, (jnp.zeros(()), jnp.zeros(())), body
@@ -790,7 +791,7 @@ class Optimizer:
             velocities=delta,
             estimator_state=est_state,
             damping=jnp.asarray(new_damping, jnp.float32),
-            data_seen=state.data_seen + self._batch_size(batch) * _num_devices(axis),
+            data_seen=state.data_seen + self._examples_seen(batch, axis),
             step_counter=step + 1,
         )
         finite = _all_finite((loss, raw_grads, stats.blocks))
@@ -954,6 +955,14 @@ class Optimizer:
         return state._replace(estimator_state=est_state), new_func_state
 
 
+def _add_weighted(total: Any, weight: jax.Array, value: Any) -> Any:
+    """``total + weight * value``, leaving ``total`` alone when ``weight`` is 0 (a
+    micro-batch of padding only, whose masked mean loss may be 0/0)."""
+    return jax.tree.map(
+        lambda t, v: t + jnp.where(weight > 0, weight * v, 0).astype(t.dtype), total, value
+    )
+
+
 def _first(value, has_aux):
     """``func`` output -> ``(loss, value)`` for `jax.value_and_grad` with aux."""
     return (value[0] if has_aux else value), value
@@ -973,12 +982,6 @@ def _solve_2x2(m: jax.Array, b: jax.Array) -> jax.Array:
     first_only = jnp.array([-b[0] / _safe(m[0, 0]), 0.0])
     degenerate = (m[1, 1] <= 0) | (jnp.abs(det) <= 1e-12 * jnp.abs(m[0, 0] * m[1, 1]))
     return jnp.where(degenerate, first_only, full)
-
-
-def _num_devices(axis: str | None) -> jax.Array:
-    if axis is None:
-        return jnp.ones((), jnp.int32)
-    return jax.lax.psum(jnp.ones((), jnp.int32), axis)
 
 
 def _repeat(batch):
