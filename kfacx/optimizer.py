@@ -220,6 +220,27 @@ _CONFIGS = {
 _FLAT_NAMES = {f.name: group for group, cls in _CONFIGS.items() for f in dataclasses.fields(cls)}
 
 
+# kfac-jax Optimizer arguments kfacx does not take, and why (a port gets this
+# instead of a generic "unknown argument").
+_KFAC_JAX_ONLY = {
+    "always_use_exact_qmodel_for_damping_adjustment": "the exact quadratic model is always used",
+    "include_norms_in_stats": "the norms are always in the stats",
+    "include_per_param_norms_in_stats": "not supported; compute them from the returned params",
+    "distributed_inverses": "not supported yet",
+    "distributed_precon_apply": "not supported yet",
+    "batch_process_func": "preprocess the batch before calling step",
+    "register_only_generic": "use auto_register_tags=False (and register layers by hand)",
+    "patterns_to_skip": "pass auto_register_kwargs=dict(graph_patterns=...) without them",
+    "forbid_setting_attributes_after_finalize": "kfacx optimizers have no finalize step",
+    "modifiable_attribute_exceptions": "kfacx optimizers have no finalize step",
+    "invalid_metric_value": "stats of skipped steps are reported as computed, with skipped=True",
+    "should_vmap_estimator_samples": "samples are always vmapped",
+    "norm_to_scale_identity_weight_per_block": "not supported",
+    "precon_power": "only the inverse (-1) is supported",
+    "damping_adaptation_interval_start": "not supported",
+}
+
+
 def _check_int(value: Any, name: str, minimum: int) -> None:
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}.")
@@ -346,6 +367,12 @@ class Optimizer:
         for group, value in configs.items():
             if not isinstance(value, _CONFIGS[group]):
                 raise TypeError(f"{group} must be a {_CONFIGS[group].__name__}, got {value!r}.")
+        for name in kwargs:
+            if name in _KFAC_JAX_ONLY:
+                raise TypeError(
+                    f"Optimizer: kfac-jax's argument {name!r} is not taken by kfacx: "
+                    f"{_KFAC_JAX_ONLY[name]}."
+                )
         unknown = sorted(set(kwargs) - set(_FLAT_NAMES))
         if unknown:
             raise TypeError(

@@ -2,6 +2,7 @@
 quadratic model, damping adaptation, skipping non-finite steps, options."""
 
 import dataclasses
+import warnings
 
 import haiku as hk
 import jax
@@ -482,6 +483,8 @@ def test_flat_kwargs_fill_the_configs():
     ("kwargs", "error", "match"),
     [
         (dict(use_adaptive_dampening=True), TypeError, "unknown arguments"),
+        (dict(distributed_inverses=True), TypeError, "not supported yet"),
+        (dict(register_only_generic=True), TypeError, "auto_register_tags=False"),
         (dict(use_adaptive_momentum=True), ValueError, "use_adaptive_learning_rate"),
         (dict(use_adaptive_damping=True), ValueError, "initial_damping"),
         (
@@ -609,3 +612,30 @@ def test_data_iterator_and_unstaged_step():
     p_s, s_s, _ = opt.step(params, s_iter, jax.random.key(2), batch)
     assert_trees_close(p_u, p_s)
     del p_iter
+
+
+@pytest.mark.parametrize("wrap", ["value_and_grad", "jit(value_and_grad)"])
+def test_backward_pass_of_value_and_grad_is_not_mistaken_for_layers(wrap):
+    """The optimizer traces the value output of value_and_grad_func; the backward pass
+    (dy @ w.T ...) is dropped before detection, also inside jit."""
+    value_and_grad = jax.value_and_grad(mlp_loss)
+    if wrap == "jit(value_and_grad)":
+        value_and_grad = jax.jit(value_and_grad)
+    params, batch = make_params(), make_batch()
+    opt = kfacx.Optimizer(
+        value_and_grad, learning_rate_schedule=0.1, initial_damping=1e-2, **DETERMINISTIC
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.init(params, jax.random.key(0), batch)
+    report = opt.estimator.report
+    assert not report.unmatched and not report.notes
+    assert {e.source for e in report.entries} == {"dense_with_bias"}
+    assert [type(b).__name__ for b in opt.estimator.blocks] == ["DenseTwoKroneckerFactored"] * 2
+    reference = kfacx.Optimizer(
+        jax.value_and_grad(mlp_loss),
+        learning_rate_schedule=0.1,
+        initial_damping=1e-2,
+        **DETERMINISTIC,
+    )
+    assert_trees_close(run(opt, params, batch, 2)[0], run(reference, params, batch, 2)[0])
