@@ -138,7 +138,7 @@ def scale_by_kfac(
                 "kfacx.CurvatureStats from estimator.value_grads_and_curvature_stats; got "
                 f"{type(curvature_stats).__name__}."
             )
-        lam = jnp.asarray(damping_fn(state.count), jnp.float32)
+        lam = jnp.asarray(damping_fn(state.count))
         est = estimator.update_curvature_estimate_from_stats(
             state.estimator_state, curvature_stats, ema, 1.0 - ema, pmap_axis_name
         )

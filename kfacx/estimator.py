@@ -359,8 +359,9 @@ class BlockDiagonalCurvature:
           func_args: the arguments of ``func`` (parameters and batch).
           has_aux: whether ``func`` returns ``(loss, aux)`` rather than the loss.
           estimation_mode: one of `ESTIMATION_MODES` (default: the constructor's).
-          example_mask: optional per-example weights ``[batch]`` (1 for real
-            examples, 0 for padding). Padding examples then contribute nothing
+          example_mask: optional ``[batch]`` array, 1 for real examples and 0
+            for padding (binary: the cotangents are multiplied by it, and a
+            loss registered with the same mask already is). Padding examples then contribute nothing
             to the statistics, which average over the real examples only. The
             loss itself must mask them too (e.g. ``register_*_loss(..., mask=m)``
             and a loss normalised by ``m.sum()``).

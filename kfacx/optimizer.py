@@ -195,8 +195,8 @@ class BatchConfig:
         micro-batches and accumulate loss, gradient and statistics over them
         with `jax.lax.scan` (bounded memory for large batches; the result
         equals the full batch).
-      example_mask_extractor: ``batch -> [batch_size]`` weights, 0 for padding
-        examples; they then contribute nothing to the gradient weighting, the
+      example_mask_extractor: ``batch -> [batch_size]`` mask, 1 for real and 0
+        for padding examples (binary); they then contribute nothing to the gradient weighting, the
         curvature or the quadratic model. The loss function must mask them too
         (``register_*_loss(..., mask=m)`` and a loss normalised by ``m.sum()``).
       batch_size_extractor: ``batch -> int``, the examples per batch (for

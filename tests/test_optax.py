@@ -371,12 +371,6 @@ def test_damping_schedule_is_called_with_the_count():
     assert all(jnp.shape(c) == () and jnp.issubdtype(c.dtype, jnp.integer) for c in seen)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="scale_by_kfac casts the damping to float32 (jnp.asarray(damping_fn(count), "
-    "jnp.float32)), so float64 curvature is preconditioned with a float32-rounded damping",
-)
 def test_float64_damping_is_not_rounded_to_float32():
     damping = 1e-3  # not representable in float32; the update is off by ~2e-8 relative
     with jax.enable_x64(True):
