@@ -5,7 +5,13 @@ register the loss on the model output, and precondition gradients with
 `BlockDiagonalCurvature`.
 """
 
-from kfacx import blocks, graph_matcher, linalg, losses, tags, tracer
+from kfacx import blocks, graph_matcher, linalg, losses, parallel, tags, tracer
+from kfacx._optax import (
+    AccumulateCurvatureStatsState,
+    ScaleByKfacState,
+    accumulate_curvature_stats,
+    scale_by_kfac,
+)
 from kfacx.blocks import (
     ConvTwoKroneckerFactored,
     CurvatureBlock,
@@ -22,6 +28,7 @@ from kfacx.estimator import (
     DEFAULT_LAYER_TAG_TO_BLOCK_CTOR,
     ESTIMATION_MODES,
     BlockDiagonalCurvature,
+    CurvatureStats,
     EstimatorState,
 )
 from kfacx.graph_matcher import (
@@ -35,6 +42,14 @@ from kfacx.losses import (
     NormalPredictiveLoss,
     SigmoidCrossEntropyLoss,
     SoftmaxCrossEntropyLoss,
+)
+from kfacx.optimizer import (
+    BatchConfig,
+    CurvatureConfig,
+    DampingConfig,
+    LearningRateConfig,
+    Optimizer,
+    OptimizerState,
 )
 from kfacx.tags import (
     LayerTag,
@@ -55,6 +70,17 @@ from kfacx.tracer import layer_tags_vjp, loss_tags_jvp, loss_tags_vjp
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "AccumulateCurvatureStatsState",
+    "BatchConfig",
+    "CurvatureConfig",
+    "DampingConfig",
+    "LearningRateConfig",
+    "Optimizer",
+    "OptimizerState",
+    "CurvatureStats",
+    "ScaleByKfacState",
+    "accumulate_curvature_stats",
+    "scale_by_kfac",
     "DEFAULT_GRAPH_PATTERNS",
     "DEFAULT_LAYER_TAG_TO_BLOCK_CTOR",
     "ESTIMATION_MODES",
@@ -86,6 +112,7 @@ __all__ = [
     "loss_tags_jvp",
     "loss_tags_vjp",
     "losses",
+    "parallel",
     "register_conv",
     "register_conv2d",
     "register_dense",

@@ -174,6 +174,68 @@ def unsupported_container(eqn: JaxprEqn) -> ValueError:
     )
 
 
+def dce(closed: jex.core.ClosedJaxpr) -> jex.core.ClosedJaxpr:
+    """Drops the equations whose results are unused, also inside jit and remat bodies.
+
+    Tags and effectful equations are always kept. This removes, e.g., the
+    backward pass of a function built as ``jax.value_and_grad(f)(...)[0]``
+    (or ``jax.jit(jax.value_and_grad(f))(...)[0]``), so that detection does
+    not mistake its products for layers.
+    """
+    jaxpr = _dce(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
+    return closed if jaxpr is closed.jaxpr else jex.core.ClosedJaxpr(jaxpr, closed.consts)
+
+
+# Call primitives whose unused outputs can be dropped, with their per-output params.
+_PRUNABLE_CALLS = {
+    "jit": ("out_shardings", "out_layouts"),
+    "pjit": ("out_shardings", "out_layouts"),
+    "closed_call": (),
+    "core_call": (),
+    "remat": (),
+    "remat2": (),
+    "checkpoint": (),
+}
+
+
+def _dce(jaxpr: Jaxpr, used_outputs: Sequence[bool]) -> Jaxpr:
+    outvars = [v for v, used in zip(jaxpr.outvars, used_outputs, strict=True) if used]
+    live = {v for v in outvars if not isinstance(v, jex.core.Literal)}
+    kept, changed = [], len(outvars) != len(jaxpr.outvars)
+    for eqn in reversed(jaxpr.eqns):
+        used = [v in live for v in eqn.outvars]
+        if not (eqn.effects or is_tag_eqn(eqn) or any(used)):
+            changed = True
+            continue
+        if not eqn.effects and eqn.primitive.name in _PRUNABLE_CALLS:
+            pruned = _prune_call(eqn, used if any(used) else [True] * len(used))
+            changed = changed or pruned is not eqn
+            eqn = pruned
+        kept.append(eqn)
+        live.update(v for v in eqn.invars if not isinstance(v, jex.core.Literal))
+    if not changed:
+        return jaxpr
+    return jaxpr.replace(eqns=kept[::-1], outvars=outvars)
+
+
+def _prune_call(eqn: JaxprEqn, used: Sequence[bool]) -> JaxprEqn:
+    key = _CALL_BODY_PARAMS[eqn.primitive.name]
+    if key not in eqn.params:
+        return eqn
+    body = eqn.params[key]
+    closed = isinstance(body, jex.core.ClosedJaxpr)
+    inner = _dce(body.jaxpr if closed else body, used)
+    if inner is (body.jaxpr if closed else body):
+        return eqn
+    params = dict(eqn.params)
+    params[key] = jex.core.ClosedJaxpr(inner, body.consts) if closed else inner
+    for name in _PRUNABLE_CALLS[eqn.primitive.name]:
+        if name in params:
+            params[name] = tuple(x for x, u in zip(params[name], used, strict=True) if u)
+    outvars = [v for v, u in zip(eqn.outvars, used, strict=True) if u]
+    return eqn.replace(params=params, outvars=outvars)
+
+
 def walk_tags(jaxpr: Jaxpr, origins: Sequence[Any]) -> Iterator[tuple[JaxprEqn, list[Any]]]:
     """Yields every tag equation with the *origin* of each of its operands.
 

@@ -40,6 +40,32 @@ class EstimatorState(NamedTuple):
     blocks: tuple[blocks_lib.BlockState, ...]
 
 
+class CurvatureStats(NamedTuple):
+    """One batch's curvature statistics, before they enter the moving averages.
+
+    Attributes:
+      blocks: per block, the tuple `kfacx.blocks.CurvatureBlock.compute_statistics`
+        returns (batch averages).
+      batch_size: the number of (real, unmasked) examples they average over;
+        averages of several batches or devices are weighted by it.
+    """
+
+    blocks: tuple[tuple[jax.Array, ...], ...]
+    batch_size: jax.Array
+
+
+def weighted_mean_stats(stats: CurvatureStats, axis_name: str) -> CurvatureStats:
+    """The average of ``stats`` over a device axis, weighted by their batch sizes."""
+    weight = jnp.asarray(stats.batch_size, jnp.float32)
+    total = jax.lax.psum(weight, axis_name)
+    safe = jnp.where(total > 0, total, 1.0)
+    blocks = jax.tree_util.tree_map(
+        lambda s: jax.lax.psum(s * weight.astype(s.dtype), axis_name) / safe.astype(s.dtype),
+        stats.blocks,
+    )
+    return CurvatureStats(blocks, total)
+
+
 def _check_mode(mode: str) -> str:
     if mode not in ESTIMATION_MODES:
         raise ValueError(f"Unknown estimation_mode={mode!r}; choose one of {ESTIMATION_MODES}.")
@@ -181,6 +207,22 @@ class BlockDiagonalCurvature:
         names = [b.block_name for b in self._blocks]
         return self._report.with_blocks(lambda e: names[e.layer])
 
+    def set_up(self, func_args: Sequence[Any]) -> None:
+        """Traces ``func`` on ``func_args`` and builds the blocks (`init` does it too).
+
+        Raises:
+          ValueError: if no loss is registered, or a parameter has no layer tag.
+        """
+        self._set_up(tuple(func_args))
+
+    def zero_curvature_stats(self) -> CurvatureStats:
+        """Statistics of zero batches (zeros shaped like every block's factors)."""
+        self._require_set_up()
+        blocks = tuple(
+            tuple(jnp.zeros(s, b.dtype) for s in b.factor_shapes()) for b in self._blocks
+        )
+        return CurvatureStats(blocks, jnp.zeros((), jnp.float32))
+
     def _set_up(self, func_args: Sequence[Any]) -> tracer.TracedFunction:
         traced = tracer.trace_cached(self.tagged_func(func_args), func_args, self.params_index)
         if traced is self._traced:
@@ -284,20 +326,104 @@ class BlockDiagonalCurvature:
         Raises:
           ValueError: on an unknown estimation mode.
         """
+        stats = self.compute_curvature_stats(
+            rng, func_args, estimation_mode=estimation_mode, batch_size=batch_size
+        )
+        return self.update_curvature_estimate_from_stats(
+            state, stats, ema_old, ema_new, pmap_axis_name
+        )
+
+    def compute_curvature_stats(
+        self,
+        rng: jax.Array,
+        func_args: Sequence[Any],
+        estimation_mode: str | None = None,
+        batch_size: Any = None,
+        example_mask: jax.Array | None = None,
+    ) -> CurvatureStats:
+        """This batch's curvature statistics (see `value_grads_and_curvature_stats`)."""
         mode = _check_mode(estimation_mode or self.default_estimation_mode)
         self._set_up(func_args)
         func = self.tagged_func(func_args)
         losses, vjp = tracer.layer_tags_vjp(func, func_args, self.params_index)
+        return self._stats(losses, vjp, mode, rng, batch_size, example_mask)
+
+    def value_grads_and_curvature_stats(
+        self,
+        rng: jax.Array,
+        func_args: Sequence[Any],
+        has_aux: bool = False,
+        estimation_mode: str | None = None,
+        example_mask: jax.Array | None = None,
+    ) -> tuple[Any, Any, CurvatureStats]:
+        """The loss, its gradient and the curvature statistics, from one forward pass.
+
+        Args:
+          rng: randomness for the sampling estimation modes.
+          func_args: the arguments of ``func`` (parameters and batch).
+          has_aux: whether ``func`` returns ``(loss, aux)`` rather than the loss.
+          estimation_mode: one of `ESTIMATION_MODES` (default: the constructor's).
+          example_mask: optional ``[batch]`` array, 1 for real examples and 0
+            for padding (binary: the cotangents are multiplied by it, and a
+            loss registered with the same mask already is). Padding examples then contribute nothing
+            to the statistics, which average over the real examples only. The
+            loss itself must mask them too (e.g. ``register_*_loss(..., mask=m)``
+            and a loss normalised by ``m.sum()``).
+
+        Returns:
+          ``(value, grads, stats)``: ``func``'s output, the gradient of the
+          loss with respect to the parameters, and a `CurvatureStats` to pass to
+          `update_curvature_estimate_from_stats` (or to `kfacx.scale_by_kfac`).
+        """
+        mode = _check_mode(estimation_mode or self.default_estimation_mode)
+        self._set_up(func_args)
+        func = self.tagged_func(func_args)
+        value, grads, losses, vjp = tracer.value_and_grad_and_layer_tags_vjp(
+            func, func_args, self.params_index, has_aux
+        )
+        stats = self._stats(losses, vjp, mode, rng, None, example_mask)
+        return value, grads, stats
+
+    def _stats(self, losses, vjp, mode, rng, batch_size, example_mask) -> CurvatureStats:
+        cotangents = self._loss_cotangents(losses, mode, rng)
+        if example_mask is not None:
+            example_mask = _check_mask(example_mask, losses)
+            cotangents = tuple(_mask_leading(c, example_mask, axis=1) for c in cotangents)
+            if batch_size is None:
+                batch_size = jnp.sum(example_mask)
         if batch_size is None:
             batch_size = losses[0].batch_size
-        data = vjp.sampled(self._loss_cotangents(losses, mode, rng))
-        new_blocks = tuple(
-            block.update_curvature_matrix_estimate(
-                s, d, ema_old, ema_new, batch_size, pmap_axis_name
-            )
-            for block, s, d in zip(self._blocks, state.blocks, data, strict=True)
+        data = vjp.sampled(cotangents, example_mask)
+        safe = jnp.maximum(jnp.asarray(batch_size, jnp.float32), 1e-12)
+        blocks = tuple(
+            tuple(block.compute_statistics(d, safe))
+            for block, d in zip(self._blocks, data, strict=True)
         )
-        return EstimatorState(new_blocks)
+        return CurvatureStats(blocks, jnp.asarray(batch_size, jnp.float32))
+
+    def update_curvature_estimate_from_stats(
+        self,
+        state: EstimatorState,
+        stats: CurvatureStats,
+        ema_old: Any,
+        ema_new: Any,
+        pmap_axis_name: str | None = None,
+    ) -> EstimatorState:
+        """Folds precomputed statistics into every block's moving averages.
+
+        With ``pmap_axis_name`` the statistics are first averaged over that
+        device axis (weighted by each device's batch size), so all devices
+        end with the same state.
+        """
+        self._require_set_up()
+        if pmap_axis_name is not None:
+            stats = weighted_mean_stats(stats, pmap_axis_name)
+        return EstimatorState(
+            tuple(
+                b.update_from_statistics(s, st, ema_old, ema_new)
+                for b, s, st in zip(self._blocks, state.blocks, stats.blocks, strict=True)
+            )
+        )
 
     def _loss_cotangents(self, losses: Sequence[LossFunction], mode: str, rng) -> tuple:
         """Cotangents ``[samples, *prediction_shape]`` per loss, per estimation mode."""
@@ -398,6 +524,24 @@ class BlockDiagonalCurvature:
             index = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in ids])
             dense = dense.at[index[:, None], index[None, :]].set(block.to_dense_matrix(s))
         return dense
+
+
+def _check_mask(mask: Any, losses: Sequence[LossFunction]) -> jax.Array:
+    mask = jnp.asarray(mask)
+    sizes = {loss.batch_size for loss in losses}
+    if mask.ndim != 1 or sizes != {mask.shape[0]}:
+        raise ValueError(
+            f"example_mask must have shape [batch] matching the registered losses' batch sizes "
+            f"{sorted(sizes)}; got shape {mask.shape}."
+        )
+    return mask
+
+
+def _mask_leading(x: jax.Array, mask: jax.Array, axis: int) -> jax.Array:
+    """``x`` times ``mask`` along axis ``axis``."""
+    shape = [1] * x.ndim
+    shape[axis] = mask.shape[0]
+    return x * mask.reshape(shape).astype(x.dtype)
 
 
 def _leaf_shapes(estimator: BlockDiagonalCurvature) -> list[tuple[int, ...]]:

@@ -52,6 +52,7 @@ class TracedFunction:
 
     closed_jaxpr: Any
     in_tree: Any
+    out_tree: Any
     params_index: int
     params_tree: Any
     param_paths: tuple[str, ...]
@@ -105,7 +106,8 @@ def trace(
     specs = jax.tree_util.tree_map(
         lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), func_args
     )
-    closed = jax.make_jaxpr(func)(*specs)
+    closed, out_shape = jax.make_jaxpr(func, return_shape=True)(*specs)
+    closed = _jaxpr.dce(closed)
     in_tree = jax.tree_util.tree_structure(func_args)
     path_leaves, params_tree = jax.tree_util.tree_flatten_with_path(func_args[params_index])
     param_paths = tuple(path_to_str(p) for p, _ in path_leaves)
@@ -152,6 +154,7 @@ def trace(
     return TracedFunction(
         closed,
         in_tree,
+        jax.tree_util.tree_structure(out_shape),
         params_index,
         params_tree,
         param_paths,
@@ -338,8 +341,8 @@ def _zero_perturbations(traced: TracedFunction) -> tuple:
 class LayerTagsVjp:
     """The vjp returned by `layer_tags_vjp`: loss cotangents -> per-layer estimation data."""
 
-    def __init__(self, vjp_fn, records, use_to_layer, use_scans=None):
-        self._vjp_fn = vjp_fn
+    def __init__(self, tangents_fn, records, use_to_layer, use_scans=None):
+        self._tangents_fn = tangents_fn
         self._records = records
         self._use_to_layer = use_to_layer
         # Per use: (length of the scan it sits in or 0, whether its layer is stacked).
@@ -347,25 +350,28 @@ class LayerTagsVjp:
 
     def tangents(self, loss_cotangents: Sequence[jax.Array]) -> tuple[tuple[jax.Array, ...], ...]:
         """The cotangents of every layer's outputs (without the layer data)."""
-        (tangents,) = self._vjp_fn(tuple(loss_cotangents))
-        return tangents
+        return self._tangents_fn(tuple(loss_cotangents))
 
-    def _data(self, tangents, batch_axis: int) -> tuple[dict, ...]:
+    def _data(self, tangents, batch_axis: int, example_mask) -> tuple[dict, ...]:
         uses: dict[int, list[dict]] = {}
         stacked: dict[int, bool] = {}
         for rec, t, layer, (length, is_stacked) in zip(
             self._records, tangents, self._use_to_layer, self._use_scans, strict=True
         ):
             use = dict(rec, outputs_tangent=tuple(t))
+            if example_mask is not None:
+                use["mask"] = example_mask
             if length and not is_stacked:
-                use = _fold_scan(use, batch_axis)
+                use = _fold_scan(use, batch_axis, length)
             uses.setdefault(layer, []).append(use)
             stacked[layer] = is_stacked
         return tuple(
             _fold_uses(uses[i], batch_axis, lead=int(stacked[i])) for i in range(len(uses))
         )
 
-    def __call__(self, loss_cotangents: Sequence[jax.Array]) -> tuple[dict, ...]:
+    def __call__(
+        self, loss_cotangents: Sequence[jax.Array], example_mask: jax.Array | None = None
+    ) -> tuple[dict, ...]:
         """Per layer: ``inputs``, ``outputs``, ``params`` and ``outputs_tangent``.
 
         A layer applied at every iteration of a `lax.scan` with the same
@@ -376,19 +382,25 @@ class LayerTagsVjp:
 
         Args:
           loss_cotangents: one array per registered loss, shaped like its prediction.
+          example_mask: optional per-example weights ``[batch]``; passed on to
+            the blocks as ``"mask"`` (the caller masks the cotangents).
         """
-        return self._data(self.tangents(loss_cotangents), batch_axis=0)
+        return self._data(self.tangents(loss_cotangents), 0, example_mask)
 
-    def sampled(self, loss_cotangents: Sequence[jax.Array]) -> tuple[dict, ...]:
+    def sampled(
+        self, loss_cotangents: Sequence[jax.Array], example_mask: jax.Array | None = None
+    ) -> tuple[dict, ...]:
         """As `__call__`, for cotangents with a leading samples axis; every
         ``outputs_tangent`` then has that leading axis too."""
-        return self._data(jax.vmap(self.tangents)(tuple(loss_cotangents)), batch_axis=1)
+        tangents = jax.vmap(self.tangents)(tuple(loss_cotangents))
+        return self._data(tangents, 1, example_mask)
 
 
-def _fold_scan(use: dict, batch_axis: int) -> dict:
-    """Folds the iterations of a use inside a scan (leading axis of the inputs and
-    outputs, ``batch_axis`` of the cotangents) into the batch axis that follows,
-    iteration-major (for a generic tag, the cotangents of the iterations are summed)."""
+def _fold_scan(use: dict, batch_axis: int, length: int) -> dict:
+    """Folds the ``length`` iterations of a use inside a scan (leading axis of the inputs
+    and outputs, ``batch_axis`` of the cotangents) into the batch axis that follows,
+    iteration-major, repeating the example mask for every iteration (for a generic tag,
+    the cotangents of the iterations are summed)."""
     if not use["inputs"]:
         tangents = tuple(jnp.sum(t, axis=batch_axis) for t in use["outputs_tangent"])
         return dict(use, outputs=use["params"], outputs_tangent=tangents)
@@ -399,16 +411,19 @@ def _fold_scan(use: dict, batch_axis: int) -> dict:
             for a in arrays
         )
 
-    return dict(
+    folded = dict(
         use,
         inputs=merge(use["inputs"], 0),
         outputs=merge(use["outputs"], 0),
         outputs_tangent=merge(use["outputs_tangent"], batch_axis),
     )
+    if "mask" in use:
+        folded["mask"] = jnp.tile(use["mask"], length)
+    return folded
 
 
 def _fold_uses(uses: list[dict], batch_axis: int, lead: int = 0) -> dict:
-    """Merges the data of a layer's uses: inputs, outputs and cotangents are
+    """Merges the data of a layer's uses: inputs, outputs, cotangents (and masks) are
     concatenated along the batch axis (for a generic tag, whose cotangent is the
     parameter gradient, the cotangents of the uses are summed). ``lead`` axes
     (the layer axis of a stacked layer) come before the batch axis."""
@@ -423,11 +438,23 @@ def _fold_uses(uses: list[dict], batch_axis: int, lead: int = 0) -> dict:
     if not uses[0]["inputs"]:
         tangents = tuple(sum(ts) for ts in zip(*(u["outputs_tangent"] for u in uses), strict=True))
         return dict(uses[0], outputs_tangent=tangents)
-    return dict(
+    folded = dict(
         inputs=cat("inputs", lead),
         outputs=cat("outputs", lead),
         params=uses[0]["params"],
         outputs_tangent=cat("outputs_tangent", batch_axis + lead),
+    )
+    if "mask" in uses[0]:
+        folded["mask"] = jnp.concatenate([u["mask"] for u in uses])
+    return folded
+
+
+def _use_scans(traced: TracedFunction) -> tuple[tuple[int, bool], ...]:
+    """Per use: the length of the scan it sits in (0 outside scans) and whether its
+    layer is stacked."""
+    return tuple(
+        (length, traced.layers[layer].stack_size is not None)
+        for length, layer in zip(traced.use_scan_lengths, traced.use_to_layer, strict=True)
     )
 
 
@@ -460,12 +487,61 @@ def layer_tags_vjp(
     predictions, vjp_fn, (records, loss_operands, _) = jax.vjp(
         lambda p: _forward(traced, flat_args, p), _zero_perturbations(traced), has_aux=True
     )
-    use_scans = tuple(
-        (length, traced.layers[layer].stack_size is not None)
-        for length, layer in zip(traced.use_scan_lengths, traced.use_to_layer, strict=True)
-    )
-    vjp = LayerTagsVjp(vjp_fn, records, traced.use_to_layer, use_scans)
+    vjp = LayerTagsVjp(lambda cts: vjp_fn(cts)[0], records, traced.use_to_layer, _use_scans(traced))
     return _make_losses(loss_operands, predictions), vjp
+
+
+def value_and_grad_and_layer_tags_vjp(
+    func: Callable[..., Any],
+    func_args: Sequence[Any],
+    params_index: int = 0,
+    has_aux: bool = False,
+) -> tuple[Any, Any, tuple[losses.LossFunction, ...], LayerTagsVjp]:
+    """One forward pass for the loss value, its gradient and the layer statistics.
+
+    Args:
+      func: a tagged loss function returning a scalar loss, or ``(loss, aux)``
+        with ``has_aux=True``.
+      func_args: its positional arguments.
+      params_index: the position of the parameters among ``func_args``.
+      has_aux: whether ``func`` returns ``(loss, aux)``.
+
+    Returns:
+      ``(value, grads, losses, vjp)``: ``func``'s output, the gradient of the
+      loss with respect to the parameters, and what `layer_tags_vjp` returns.
+      Both backward passes share the forward pass.
+
+    Raises:
+      ValueError: as `trace`, or if the loss is not a scalar.
+    """
+    traced = trace_cached(func, func_args, params_index)
+    flat_args = jax.tree_util.tree_leaves(tuple(func_args))
+    start, stop = _param_leaf_range(func_args, params_index)
+
+    def forward(param_leaves, perturbations):
+        args = [*flat_args[:start], *param_leaves, *flat_args[stop:]]
+        predictions, (records, loss_operands, outputs) = _forward(traced, args, perturbations)
+        value = jax.tree_util.tree_unflatten(traced.out_tree, outputs)
+        loss = value[0] if has_aux else value
+        if jnp.shape(loss) != () or not jnp.issubdtype(jnp.result_type(loss), jnp.floating):
+            raise ValueError(
+                "The loss function must return a scalar float loss (or (loss, aux) with "
+                f"has_aux=True / value_func_has_aux=True); got {jax.typeof(loss)}."
+            )
+        return (loss, predictions), (records, loss_operands, value)
+
+    (loss, predictions), vjp_fn, (records, loss_operands, value) = jax.vjp(
+        forward, flat_args[start:stop], _zero_perturbations(traced), has_aux=True
+    )
+    zero_predictions = tuple(jnp.zeros_like(p) for p in predictions)
+    grad_leaves, _ = vjp_fn((jnp.ones_like(loss), zero_predictions))
+    grads = jax.tree_util.tree_unflatten(traced.params_tree, grad_leaves)
+
+    def tangents(cotangents):
+        return vjp_fn((jnp.zeros_like(loss), tuple(cotangents)))[1]
+
+    vjp = LayerTagsVjp(tangents, records, traced.use_to_layer, _use_scans(traced))
+    return value, grads, _make_losses(loss_operands, predictions), vjp
 
 
 def _predictions_of_params(traced: TracedFunction, func_args: Sequence[Any]):
@@ -513,3 +589,19 @@ def loss_tags_vjp(
         return grads
 
     return _make_losses(ops, preds), vjp
+
+
+def loss_tags_linearize(
+    func: Callable[..., Any], func_args: Sequence[Any], params_index: int = 0
+) -> tuple[tuple[losses.LossFunction, ...], Callable[[Any], tuple[jax.Array, ...]]]:
+    """Linearises the loss predictions in the parameters (one forward pass for many
+    Jacobian-vector products).
+
+    Returns:
+      ``(losses, jvp)`` where ``jvp(params_tangent)`` is a tuple with one
+      prediction tangent per registered loss.
+    """
+    traced = trace_cached(func, func_args, params_index)
+    f = _predictions_of_params(traced, func_args)
+    preds, jvp, ops = jax.linearize(f, func_args[params_index], has_aux=True)
+    return _make_losses(ops, preds), jvp

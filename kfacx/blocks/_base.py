@@ -194,6 +194,12 @@ class CurvatureBlock(abc.ABC):
         ``[num_samples, *output_shape]`` of cotangents whose second moments are
         *summed* over samples (the estimator scales them for averaging).
         Statistics are normalised by ``batch_size``.
+
+        With padded batches it also has ``"mask"``, per-example weights
+        ``[batch]`` (0 for padding). The cotangents of padding examples are
+        already zero, and ``batch_size`` counts only real examples; blocks
+        whose statistics use the inputs must weight them by the mask (the
+        built-in blocks do).
         """
 
     @abc.abstractmethod
@@ -273,8 +279,14 @@ class CurvatureBlock(abc.ABC):
         stats = self.compute_statistics(estimation_data, batch_size)
         if pmap_axis_name is not None:
             stats = jax.lax.pmean(stats, pmap_axis_name)
+        return self.update_from_statistics(state, stats, ema_old, ema_new)
+
+    def update_from_statistics(
+        self, state: BlockState, statistics: Sequence[jax.Array], ema_old: Any, ema_new: Any
+    ) -> BlockState:
+        """Folds statistics computed by `compute_statistics` into the moving averages."""
         factors = tuple(
-            f.update(s, ema_old, ema_new) for f, s in zip(state.factors, stats, strict=True)
+            f.update(s, ema_old, ema_new) for f, s in zip(state.factors, statistics, strict=True)
         )
         return state._replace(factors=factors)
 
@@ -383,6 +395,15 @@ class CurvatureBlock(abc.ABC):
             f"{self!r}: use_cached=True needs {what} in the cache; create the state with "
             f"init(..., {init_arg}) and call update_cache first."
         )
+
+
+def row_mask(estimation_data: Mapping[str, Any], num_rows: int) -> jax.Array | None:
+    """The per-example ``"mask"`` of the estimation data repeated for each of an
+    example's ``num_rows // batch`` rows (positions), or None without a mask."""
+    mask = estimation_data.get("mask")
+    if mask is None:
+        return None
+    return jnp.repeat(mask, num_rows // mask.shape[0], total_repeat_length=num_rows)
 
 
 def flatten_params(vector: Sequence[jax.Array]) -> jax.Array:

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from kfacx import linalg
-from kfacx.blocks._base import BlockState, CurvatureBlock, LayerInfo
+from kfacx.blocks._base import BlockState, CurvatureBlock, LayerInfo, row_mask
 
 
 class EmbeddingEigen(NamedTuple):
@@ -64,9 +64,11 @@ class EmbeddingKroneckerFactored(CurvatureBlock):
         (ids,) = estimation_data["inputs"]
         (dy,) = estimation_data["outputs_tangent"]
         ids = ids.reshape(-1)
-        counts = jnp.zeros((self.vocab,), self.dtype).at[ids].add(1.0, mode="drop")
+        mask = row_mask(estimation_data, ids.shape[0])
+        weights = jnp.ones(ids.shape, self.dtype) if mask is None else mask.astype(self.dtype)
+        counts = jnp.zeros((self.vocab,), self.dtype).at[ids].add(weights, mode="drop")
         dy = dy.reshape(-1, self.width).astype(self.dtype)
-        return counts / ids.shape[0], dy.T @ dy / batch_size
+        return counts / jnp.maximum(jnp.sum(weights), 1.0), dy.T @ dy / batch_size
 
     # ---------------------------------------------------------------- cache
 

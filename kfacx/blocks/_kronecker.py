@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kfacx import linalg
-from kfacx.blocks._base import BlockState, CurvatureBlock, LayerInfo, Params
+from kfacx.blocks._base import BlockState, CurvatureBlock, LayerInfo, Params, row_mask
 
 
 class KroneckerEigen(NamedTuple):
@@ -196,6 +196,17 @@ def _second_moment(rows: jax.Array, normalizer: Any) -> jax.Array:
     return jnp.einsum("rgi,rgj->gij", rows, rows) / normalizer
 
 
+def _input_second_moment(rows: jax.Array, estimation_data) -> jax.Array:
+    """The mean of ``rows[r, g]^T rows[r, g]`` over the rows of real (unmasked) examples."""
+    mask = row_mask(estimation_data, rows.shape[0])
+    if mask is None:
+        return _second_moment(rows, rows.shape[0])
+    mask = mask.astype(rows.dtype)
+    weighted = rows * mask[:, None, None]
+    total = jnp.maximum(jnp.sum(mask), 1.0)
+    return jnp.einsum("rgi,rgj->gij", weighted, rows) / total
+
+
 def _strip_leading_ones(shape: Sequence[int]) -> tuple[int, ...]:
     shape = tuple(shape)
     while shape and shape[0] == 1:
@@ -272,7 +283,7 @@ class DenseTwoKroneckerFactored(TwoKroneckerFactored):
         if self.has_bias:
             x = _with_ones(x)
         dy = dy.reshape(-1, 1, self._out).astype(self.dtype)
-        return _second_moment(x, x.shape[0]), _second_moment(dy, batch_size)
+        return _input_second_moment(x, estimation_data), _second_moment(dy, batch_size)
 
 
 class ConvTwoKroneckerFactored(TwoKroneckerFactored):
@@ -366,4 +377,4 @@ class ConvTwoKroneckerFactored(TwoKroneckerFactored):
         # dy: [samples, *output_shape]; the feature axis shifts by one.
         dy = jnp.moveaxis(dy.astype(self.dtype), self.dnums.out_spec[1] + 1, -1)
         dy = dy.reshape(-1, self.groups, self.out_per_group)
-        return _second_moment(rows, rows.shape[0]), _second_moment(dy, batch_size)
+        return _input_second_moment(rows, estimation_data), _second_moment(dy, batch_size)

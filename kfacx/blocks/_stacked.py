@@ -13,7 +13,10 @@ has, the samples axis stays first as for every block):
 - estimation data: ``inputs``, ``outputs`` and ``params`` are ``[L, *slice_shape]``;
   ``outputs_tangent`` is ``[num_samples, L, *slice_output_shape]``, i.e.
   ``[num_samples, *outputs.shape]`` as for any block (this is what
-  `kfacx.tracer.LayerTagsVjp.sampled` returns for a stacked layer);
+  `kfacx.tracer.LayerTagsVjp.sampled` returns for a stacked layer); other
+  entries (the per-example ``mask``) are the same for every slice;
+- statistics (`compute_statistics`, `update_from_statistics`): the inner
+  block's, with a leading ``L`` axis;
 - state: every array of the inner block's `BlockState` gets a leading ``L``
   axis (so do the moving averages' weights).
 """
@@ -30,7 +33,8 @@ import numpy as np
 
 from kfacx.blocks._base import BlockState, CurvatureBlock, LayerInfo, Params
 
-#: The axis of the layer (stack) dimension in each field of the estimation data.
+#: The axis of the layer (stack) dimension in each field of the estimation data; the
+#: other fields (e.g. the per-example ``"mask"``) are shared by all slices.
 DATA_LAYER_AXES = {"inputs": 0, "outputs": 0, "params": 0, "outputs_tangent": 1}
 
 
@@ -100,8 +104,8 @@ class StackedBlock(CurvatureBlock):
 
     # ---------------------------------------------------------------- statistics
 
-    def _data_axes(self, estimation_data: Mapping[str, Any]) -> dict[str, int]:
-        return {key: DATA_LAYER_AXES.get(key, 0) for key in estimation_data}
+    def _data_axes(self, estimation_data: Mapping[str, Any]) -> dict[str, int | None]:
+        return {key: DATA_LAYER_AXES.get(key) for key in estimation_data}
 
     def compute_statistics(self, estimation_data, batch_size):
         data = dict(estimation_data)
@@ -127,6 +131,14 @@ class StackedBlock(CurvatureBlock):
             )
 
         return jax.vmap(update, in_axes=(0, self._data_axes(data)))(state, data)
+
+    def update_from_statistics(
+        self, state: BlockState, statistics: Sequence[jax.Array], ema_old: Any, ema_new: Any
+    ) -> BlockState:
+        """The inner block's update from statistics, slice by slice (leading ``L`` axis)."""
+        return jax.vmap(lambda s, st: self.inner.update_from_statistics(s, st, ema_old, ema_new))(
+            state, tuple(statistics)
+        )
 
     def update_cache(self, state: BlockState, identity_weight: Any) -> BlockState:
         return jax.vmap(lambda s: self.inner.update_cache(s, identity_weight))(state)

@@ -224,6 +224,7 @@ def auto_register_tags(
         _ = p.jaxpr  # Fails early, with the pattern's name, if it does not trace.
     func_args = tuple(func_args)
     closed, out_shape = jax.make_jaxpr(func, return_shape=True)(*_specs(func_args))
+    closed = _jaxpr.dce(closed)
     path_leaves, _ = jax.tree_util.tree_flatten_with_path(func_args[params_index])
     paths = [path_to_str(p) for p, _ in path_leaves]
     check_float_params(paths, [leaf for _, leaf in path_leaves])

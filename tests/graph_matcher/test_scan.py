@@ -607,3 +607,78 @@ def test_tagged_scan_body_constants_become_const_operands():
     got = jax.extend.core.jaxpr_as_fun(tagged)(x, w)
     for g, v in zip(got, want, strict=True):
         assert_close(g, v)
+
+
+# ----------------------------------------------------------------------------- masks
+
+
+def _masked_loss(logits_fn):
+    """Softmax cross-entropy averaged over the real (mask 1) examples."""
+
+    def loss(params, batch):
+        x, labels, mask = batch
+        logits = kfacx.register_softmax_cross_entropy_loss(logits_fn(params, x), labels, mask=mask)
+        nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], axis=1)[:, 0]
+        return jnp.sum(mask * nll) / jnp.maximum(jnp.sum(mask), 1.0)
+
+    return loss
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_padding_mask_with_one_pass_statistics(name):
+    """A padded batch with ``example_mask`` gives the statistics of its real examples
+    only: the mask is shared by the slices of a stacked layer and repeated for every
+    step of a layer applied at every step. Folding the statistics in equals an update."""
+    params, (x, _) = MODELS[name][3]()
+    real = np.array([1, 0, 1, 1], bool)
+    labels = np.arange(BATCH) % D_OUT
+    padded = (x, labels, f64(real.astype(float)))
+    only_real = jax.tree_util.tree_map(lambda a: a[real], padded)
+    loss = _masked_loss(functools.partial(MODELS[name][0], tag=True))
+    est = kfacx.BlockDiagonalCurvature(
+        loss, default_estimation_mode="ggn_exact", auto_register_tags=False
+    )
+
+    @fast_jit
+    def run(padded, only_real):
+        (v_pad, g_pad, s_pad), (v_real, g_real, s_real) = (
+            est.value_grads_and_curvature_stats(KEY, (params, padded), example_mask=padded[2]),
+            est.value_grads_and_curvature_stats(KEY, (params, only_real)),
+        )
+        state = est.init(KEY, (params, only_real))
+        from_stats = est.update_curvature_estimate_from_stats(state, s_pad, 0.0, 1.0)
+        updated = est.update_curvature_matrix_estimate(
+            state, 0.0, 1.0, None, KEY, (params, only_real)
+        )
+        dense = (est.to_dense_matrix(from_stats), est.to_dense_matrix(updated))
+        return (v_pad, g_pad, s_pad.blocks), (v_real, g_real, s_real.blocks), dense
+
+    got, want, (from_stats, updated) = run(padded, only_real)
+    if name == "stacked":
+        assert [b.block_name for b in est.blocks][1] == f"StackedBlock({DENSE_KF})"
+        assert got[2][1][0].shape[0] == DEPTH  # statistics with the layer axis
+    assert_trees_close(got, want)
+    assert_close(from_stats, updated)
+
+
+def test_optimizer_trains_a_layer_stack():
+    """`kfacx.Optimizer` (detection from ``jax.value_and_grad(loss)``) on the Haiku layer
+    stack: stacked blocks, and the loss goes down."""
+    model, params, (x, _) = haiku_problem()
+    labels = np.arange(BATCH) % D_OUT
+    loss = _masked_loss(model.apply)
+    batch = (x, labels, jnp.ones(BATCH))
+    opt = kfacx.Optimizer(
+        jax.value_and_grad(loss),
+        use_adaptive_learning_rate=True,
+        use_adaptive_momentum=True,
+        use_adaptive_damping=True,
+        initial_damping=1.0,
+    )
+    state = opt.init(params, KEY, batch)
+    assert opt.estimator.report.unmatched == ()
+    assert f"StackedBlock({DENSE_KF})" in [b.block_name for b in opt.estimator.blocks]
+    start = loss(params, batch)
+    for i in range(5):
+        params, state, _ = opt.step(params, state, jax.random.PRNGKey(i), batch=batch)
+    assert float(loss(params, batch)) < 0.7 * float(start)

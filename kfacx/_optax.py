@@ -1,0 +1,236 @@
+"""K-FAC as an optax transformation, and an aggregator for micro-batch accumulation.
+
+`scale_by_kfac` preconditions gradients with the damped inverse of the
+block-diagonal curvature. It does not compute statistics itself: the caller
+gets them, together with the loss and the gradients, from
+`kfacx.BlockDiagonalCurvature.value_grads_and_curvature_stats` and passes them
+as the extra argument ``curvature_stats``::
+
+    estimator = kfacx.BlockDiagonalCurvature(loss_fn)
+    tx = optax.chain(
+        kfacx.scale_by_kfac(estimator, (params, batch), damping=1e-3),
+        optax.sgd(learning_rate=0.1, momentum=0.9),
+    )
+    opt_state = tx.init(params)
+    loss, grads, stats = estimator.value_grads_and_curvature_stats(rng, (params, batch))
+    updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
+
+`accumulate_curvature_stats` is the matching aggregator for
+``optax.experimental.aggregating.process``: it averages gradients *and*
+curvature statistics over micro-batches and hands both to the postprocessor
+once the last micro-batch has arrived.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from kfacx.estimator import BlockDiagonalCurvature, CurvatureStats, EstimatorState
+
+
+class ScaleByKfacState(NamedTuple):
+    """State of `scale_by_kfac`.
+
+    Attributes:
+      count: number of updates so far.
+      estimator_state: the curvature blocks' moving averages and cached inverses.
+    """
+
+    count: jax.Array
+    estimator_state: EstimatorState
+
+
+def _as_schedule(value: float | Callable[[jax.Array], Any], name: str) -> Callable:
+    if callable(value):
+        return value
+    try:
+        constant = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"{name} must be a number or a schedule (step -> value), got {value!r}."
+        ) from None
+    return lambda count: constant
+
+
+def _check_period(value: Any, name: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}.")
+    return value
+
+
+def _check_ema(value: Any) -> float:
+    if not 0.0 <= float(value) < 1.0:
+        raise ValueError(f"curvature_ema must be in [0, 1), got {value!r}.")
+    return float(value)
+
+
+def _replace_params(func_args: Sequence[Any], params: Any, index: int) -> tuple:
+    args = list(func_args)
+    args[index] = params
+    return tuple(args)
+
+
+def scale_by_kfac(
+    estimator: BlockDiagonalCurvature,
+    func_args: Sequence[Any],
+    damping: float | Callable[[jax.Array], Any] = 1e-3,
+    curvature_ema: float = 0.95,
+    inverse_update_period: int = 5,
+    use_exact_inverses: bool = False,
+    pmap_axis_name: str | None = None,
+) -> optax.GradientTransformationExtraArgs:
+    """Preconditions gradients with the damped inverse of the K-FAC curvature.
+
+    Each update folds the ``curvature_stats`` extra argument into the
+    curvature blocks' moving averages, refreshes the cached damped inverses
+    every ``inverse_update_period`` updates (the first update included), and
+    returns ``(C + damping I)^-1 grads``. Chain it with an optax optimizer that
+    applies the learning rate (and momentum), e.g. ``optax.sgd``. For weight
+    decay ``l2``, put ``optax.add_decayed_weights(l2)`` before it and add
+    ``l2`` to ``damping``: that is what `kfacx.Optimizer` does with ``l2_reg``.
+
+    Args:
+      estimator: the curvature estimator of the loss function.
+      func_args: example arguments of the loss function, e.g. ``(params, batch)``
+        (only shapes and dtypes matter). The estimator is set up from them now,
+        so that aggregators created afterwards know the statistics' shapes.
+      damping: the damping, a number or a schedule ``count -> damping``.
+      curvature_ema: weight of the old moving average in each update.
+      inverse_update_period: refresh the cached inverses every this many updates.
+      use_exact_inverses: use exact inverses of the damped Kronecker products
+        (the estimator must cache them: ``exact_powers_to_cache=(-1,)``)
+        instead of factored "pi" damping.
+      pmap_axis_name: average the statistics over this device axis (weighted
+        by each device's batch size).
+
+    Returns:
+      An `optax.GradientTransformationExtraArgs` whose ``update`` requires the
+      keyword argument ``curvature_stats`` (a `kfacx.CurvatureStats`).
+
+    Raises:
+      ValueError: on a bad period or moving-average weight.
+      TypeError: if ``estimator`` is not a `kfacx.BlockDiagonalCurvature`.
+    """
+    if not isinstance(estimator, BlockDiagonalCurvature):
+        raise TypeError(
+            f"scale_by_kfac: estimator must be a kfacx.BlockDiagonalCurvature, got {estimator!r}."
+        )
+    damping_fn = _as_schedule(damping, "damping")
+    ema = _check_ema(curvature_ema)
+    period = _check_period(inverse_update_period, "inverse_update_period")
+    func_args = tuple(func_args)
+    estimator.set_up(func_args)
+
+    def init_fn(params):
+        args = _replace_params(func_args, params, estimator.params_index)
+        return ScaleByKfacState(jnp.zeros((), jnp.int32), estimator.init(jax.random.key(0), args))
+
+    def update_fn(updates, state, params=None, *, curvature_stats=None, **extra_args):
+        del params, extra_args
+        if not isinstance(curvature_stats, CurvatureStats):
+            raise TypeError(
+                "scale_by_kfac.update needs the keyword argument curvature_stats=..., the "
+                "kfacx.CurvatureStats from estimator.value_grads_and_curvature_stats; got "
+                f"{type(curvature_stats).__name__}."
+            )
+        lam = jnp.asarray(damping_fn(state.count))
+        est = estimator.update_curvature_estimate_from_stats(
+            state.estimator_state, curvature_stats, ema, 1.0 - ema, pmap_axis_name
+        )
+        est = jax.lax.cond(
+            state.count % period == 0,
+            lambda e: estimator.update_cache(e, lam),
+            lambda e: e,
+            est,
+        )
+        precon = estimator.multiply_inverse(
+            est, updates, lam, exact_power=use_exact_inverses, use_cached=True
+        )
+        return precon, ScaleByKfacState(state.count + 1, est)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+class AccumulateCurvatureStatsState(NamedTuple):
+    """State of `accumulate_curvature_stats`.
+
+    Attributes:
+      micro_step: micro-batches accumulated since the last update.
+      ready: whether the last call completed a full batch.
+      grads: the batch-size-weighted sum of the gradients so far.
+      stats: the batch-size-weighted sum of the curvature statistics so far.
+    """
+
+    micro_step: jax.Array
+    ready: jax.Array
+    grads: Any
+    stats: CurvatureStats
+
+
+def accumulate_curvature_stats(
+    estimator: BlockDiagonalCurvature, num_microbatches: int
+) -> optax.GradientTransformationExtraArgs:
+    """Averages gradients and curvature statistics over ``num_microbatches`` calls.
+
+    For ``optax.experimental.aggregating.process(..., aggregator_has_aux=True)``
+    with `scale_by_kfac` in the postprocessor: every call takes one
+    micro-batch's gradients and its ``curvature_stats`` extra argument; the
+    last call of each group returns the averages (weighted by each
+    micro-batch's number of real examples, so padded micro-batches count
+    exactly as much as their real examples) and sets ``ready``.
+
+    Args:
+      estimator: the estimator the statistics come from; it must be set up
+        (create `scale_by_kfac` first, or call ``estimator.init``).
+      num_microbatches: micro-batches per update.
+
+    Returns:
+      An `optax.GradientTransformationExtraArgs` whose update returns
+      ``((grads, {"curvature_stats": stats}), state)``.
+    """
+    _check_period(num_microbatches, "num_microbatches")
+    zero_stats = estimator.zero_curvature_stats()
+
+    def init_fn(params):
+        return AccumulateCurvatureStatsState(
+            jnp.zeros((), jnp.int32),
+            jnp.zeros((), bool),
+            optax.tree.zeros_like(params),
+            zero_stats,
+        )
+
+    def update_fn(updates, state, params=None, *, curvature_stats=None, **extra_args):
+        del params, extra_args
+        if not isinstance(curvature_stats, CurvatureStats):
+            raise TypeError(
+                "accumulate_curvature_stats needs the keyword argument curvature_stats=... "
+                f"(a kfacx.CurvatureStats); got {type(curvature_stats).__name__}."
+            )
+        w = jnp.asarray(curvature_stats.batch_size, jnp.float32)
+        grads = jax.tree_util.tree_map(lambda a, g: a + w.astype(g.dtype) * g, state.grads, updates)
+        blocks = jax.tree_util.tree_map(
+            lambda a, s: a + w.astype(s.dtype) * s, state.stats.blocks, curvature_stats.blocks
+        )
+        total = state.stats.batch_size + w
+        step = state.micro_step + 1
+        ready = step == num_microbatches
+        safe = jnp.where(total > 0, total, 1.0)
+        mean_grads = jax.tree_util.tree_map(lambda g: g / safe.astype(g.dtype), grads)
+        mean_stats = CurvatureStats(
+            jax.tree_util.tree_map(lambda s: s / safe.astype(s.dtype), blocks), total
+        )
+        zero = jax.tree_util.tree_map(jnp.zeros_like, mean_grads)
+        out_grads = jax.tree_util.tree_map(lambda m, z: jnp.where(ready, m, z), mean_grads, zero)
+        new_state = jax.tree_util.tree_map(
+            lambda reset, keep: jnp.where(ready, reset, keep),
+            AccumulateCurvatureStatsState(step * 0, ready, zero, zero_stats),
+            AccumulateCurvatureStatsState(step, ready, grads, CurvatureStats(blocks, total)),
+        )
+        return (out_grads, {"curvature_stats": mean_stats}), new_state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

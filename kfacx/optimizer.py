@@ -1,0 +1,1030 @@
+"""The K-FAC optimizer: curvature, damping, learning rate and momentum in one step.
+
+`Optimizer` takes ``jax.value_and_grad(loss_fn)`` (as kfac-jax does), finds
+the layers of ``loss_fn``, and each `Optimizer.step`:
+
+1. computes the loss, the gradient and the curvature statistics in one
+   forward pass (accumulated over micro-batches with `jax.lax.scan` if asked);
+2. folds the statistics into the curvature blocks' moving averages and, every
+   ``inverse_update_period`` steps, refreshes their damped inverses;
+3. preconditions the gradient, ``p = (C + (damping + l2_reg) I)^-1 g``, and
+   takes the step ``delta = -learning_rate * p + momentum * previous_delta``
+   with the learning rate and momentum fixed, scheduled, or chosen to
+   minimise the exact quadratic model of the loss along ``p`` and
+   ``previous_delta``;
+4. every ``damping_adaptation_interval`` steps adapts the damping with the
+   Levenberg-Marquardt rule from the ratio of the actual to the predicted
+   change of the loss.
+
+Options are grouped in frozen config dataclasses (`CurvatureConfig`,
+`LearningRateConfig`, `DampingConfig`, `BatchConfig`); each field can also be
+passed as a flat keyword argument with kfac-jax's name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kfacx import tracer
+from kfacx.estimator import (
+    ESTIMATION_MODES,
+    BlockDiagonalCurvature,
+    CurvatureStats,
+    EstimatorState,
+    weighted_mean_stats,
+)
+
+Schedule = Callable[[jax.Array], Any]
+
+
+# ----------------------------------------------------------------------------- configs
+
+
+@dataclasses.dataclass(frozen=True)
+class CurvatureConfig:
+    """How the curvature is estimated and inverted.
+
+    Attributes:
+      estimation_mode: one of `kfacx.ESTIMATION_MODES`.
+      curvature_ema: weight of the old moving average of the factors.
+      curvature_update_period: update the factors every this many steps.
+      inverse_update_period: refresh the cached damped inverses every this many steps.
+      use_exact_inverses: invert the damped Kronecker products exactly (from
+        eigendecompositions) instead of with factored "pi" damping.
+      num_estimator_samples: sampled cotangents per example in the sampling modes.
+      num_burnin_steps: curvature-only updates before the first step.
+      layer_tag_to_block_ctor: block classes per tag name (see
+        `kfacx.BlockDiagonalCurvature`).
+      auto_register_kwargs: arguments of `kfacx.auto_register_tags`.
+      auto_register_tags: find layers automatically (False: hand-tagged only).
+    """
+
+    estimation_mode: str = "fisher_gradients"
+    curvature_ema: float = 0.95
+    curvature_update_period: int = 1
+    inverse_update_period: int = 5
+    use_exact_inverses: bool = False
+    num_estimator_samples: int = 1
+    num_burnin_steps: int = 10
+    layer_tag_to_block_ctor: Mapping[str, Callable[..., Any]] | None = None
+    auto_register_kwargs: Mapping[str, Any] | None = None
+    auto_register_tags: bool = True
+
+    def __post_init__(self):
+        if self.estimation_mode not in ESTIMATION_MODES:
+            raise ValueError(
+                f"estimation_mode={self.estimation_mode!r}; choose one of {ESTIMATION_MODES}."
+            )
+        if not 0.0 <= self.curvature_ema < 1.0:
+            raise ValueError(f"curvature_ema must be in [0, 1), got {self.curvature_ema}.")
+        for name in ("curvature_update_period", "inverse_update_period", "num_estimator_samples"):
+            _check_int(getattr(self, name), name, minimum=1)
+        _check_int(self.num_burnin_steps, "num_burnin_steps", minimum=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class LearningRateConfig:
+    """Learning rate and momentum: fixed, scheduled, or solved on the quadratic model.
+
+    Attributes:
+      use_adaptive_learning_rate: choose the learning rate each step by
+        minimising the damped quadratic model of the loss.
+      learning_rate_schedule: a number or ``global_step -> learning_rate``;
+        None means it is passed to `Optimizer.step` (unless adaptive).
+      use_adaptive_momentum: also choose the momentum on the quadratic model
+        (needs the adaptive learning rate).
+      momentum_schedule: a number or ``global_step -> momentum``; None means 0
+        unless passed to `Optimizer.step` or adaptive.
+      norm_constraint: if given, scale the preconditioned gradient ``p`` so that
+        the step's squared length in the curvature metric,
+        ``learning_rate**2 * p^T (C + damping I) p`` (``= learning_rate**2 *
+        p^T g`` before scaling), is at most ``norm_constraint`` (as kfac-jax;
+        not with an adaptive learning rate).
+    """
+
+    use_adaptive_learning_rate: bool = False
+    learning_rate_schedule: float | Schedule | None = None
+    use_adaptive_momentum: bool = False
+    momentum_schedule: float | Schedule | None = None
+    norm_constraint: float | None = None
+
+    def __post_init__(self):
+        if self.use_adaptive_momentum and not self.use_adaptive_learning_rate:
+            raise ValueError(
+                "use_adaptive_momentum=True needs use_adaptive_learning_rate=True (both are "
+                "solved together on the quadratic model)."
+            )
+        if self.use_adaptive_learning_rate and self.learning_rate_schedule is not None:
+            raise ValueError(
+                "Pass either use_adaptive_learning_rate=True or a learning_rate_schedule, not both."
+            )
+        if self.use_adaptive_momentum and self.momentum_schedule is not None:
+            raise ValueError(
+                "Pass either use_adaptive_momentum=True or a momentum_schedule, not both."
+            )
+        if self.norm_constraint is not None:
+            if self.use_adaptive_learning_rate:
+                raise ValueError("norm_constraint cannot be used with an adaptive learning rate.")
+            if not float(self.norm_constraint) > 0:
+                raise ValueError(f"norm_constraint must be positive, got {self.norm_constraint}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class DampingConfig:
+    """Damping: fixed, scheduled, or adapted by the Levenberg-Marquardt rule.
+
+    Attributes:
+      use_adaptive_damping: adapt the damping from the reduction ratio
+        ``rho = (actual loss change) / (quadratic-model change)``.
+      initial_damping: the starting (adaptive) or constant damping.
+      damping_schedule: ``global_step -> damping`` (not with adaptive damping).
+      min_damping, max_damping: bounds of the adapted damping.
+      damping_adaptation_interval: adapt every this many steps.
+      damping_adaptation_decay: per-step factor; the damping is multiplied by
+        ``decay**interval`` when ``rho > damping_upper_threshold`` and divided
+        by it when ``rho < damping_lower_threshold``.
+      include_damping_in_quad_change: whether the model change used for
+        ``rho`` includes the damping term.
+    """
+
+    use_adaptive_damping: bool = False
+    initial_damping: float | None = None
+    damping_schedule: float | Schedule | None = None
+    min_damping: float = 1e-8
+    max_damping: float = math.inf
+    damping_adaptation_interval: int = 5
+    damping_adaptation_decay: float = 0.9
+    damping_lower_threshold: float = 0.25
+    damping_upper_threshold: float = 0.75
+    include_damping_in_quad_change: bool = False
+
+    def __post_init__(self):
+        if self.use_adaptive_damping:
+            if self.initial_damping is None:
+                raise ValueError("use_adaptive_damping=True needs initial_damping.")
+            if self.damping_schedule is not None:
+                raise ValueError("Pass either use_adaptive_damping=True or a damping_schedule.")
+        if self.initial_damping is not None and not float(self.initial_damping) > 0:
+            raise ValueError(f"initial_damping must be positive, got {self.initial_damping}.")
+        if not 0 <= self.min_damping <= self.max_damping:
+            raise ValueError(
+                f"Need 0 <= min_damping <= max_damping, got {self.min_damping}, {self.max_damping}."
+            )
+        _check_int(self.damping_adaptation_interval, "damping_adaptation_interval", minimum=1)
+        if not 0 < self.damping_adaptation_decay < 1:
+            raise ValueError(
+                f"damping_adaptation_decay must be in (0, 1), got {self.damping_adaptation_decay}."
+            )
+        if not self.damping_lower_threshold < self.damping_upper_threshold:
+            raise ValueError("damping_lower_threshold must be below damping_upper_threshold.")
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchConfig:
+    """How a batch is processed.
+
+    Attributes:
+      num_microbatches: split the batch's leading axis into this many
+        micro-batches and accumulate loss, gradient and statistics over them
+        with `jax.lax.scan` (bounded memory for large batches; the result
+        equals the full batch).
+      example_mask_extractor: ``batch -> [batch_size]`` mask, 1 for real and 0
+        for padding examples (binary); they then contribute nothing to the gradient weighting, the
+        curvature or the quadratic model. The loss function must mask them too
+        (``register_*_loss(..., mask=m)`` and a loss normalised by ``m.sum()``).
+      batch_size_extractor: ``batch -> int``, the examples per batch (for
+        ``data_seen``); default: the leading dimension of the first leaf.
+    """
+
+    num_microbatches: int = 1
+    example_mask_extractor: Callable[[Any], jax.Array] | None = None
+    batch_size_extractor: Callable[[Any], int] | None = None
+
+    def __post_init__(self):
+        _check_int(self.num_microbatches, "num_microbatches", minimum=1)
+
+
+_CONFIGS = {
+    "curvature": CurvatureConfig,
+    "learning_rate": LearningRateConfig,
+    "damping": DampingConfig,
+    "batch": BatchConfig,
+}
+_FLAT_NAMES = {f.name: group for group, cls in _CONFIGS.items() for f in dataclasses.fields(cls)}
+
+
+# kfac-jax Optimizer arguments kfacx does not take, and why (a port gets this
+# instead of a generic "unknown argument").
+_KFAC_JAX_ONLY = {
+    "always_use_exact_qmodel_for_damping_adjustment": "the exact quadratic model is always used",
+    "include_norms_in_stats": "the norms are always in the stats",
+    "include_per_param_norms_in_stats": "not supported; compute them from the returned params",
+    "distributed_inverses": "not supported yet",
+    "distributed_precon_apply": "not supported yet",
+    "batch_process_func": "preprocess the batch before calling step",
+    "register_only_generic": "use auto_register_tags=False (and register layers by hand)",
+    "patterns_to_skip": "pass auto_register_kwargs=dict(graph_patterns=...) without them",
+    "forbid_setting_attributes_after_finalize": "kfacx optimizers have no finalize step",
+    "modifiable_attribute_exceptions": "kfacx optimizers have no finalize step",
+    "invalid_metric_value": "stats of skipped steps are reported as computed, with skipped=True",
+    "should_vmap_estimator_samples": "samples are always vmapped",
+    "norm_to_scale_identity_weight_per_block": "not supported",
+    "precon_power": "only the inverse (-1) is supported",
+    "damping_adaptation_interval_start": "not supported",
+}
+
+
+def _check_int(value: Any, name: str, minimum: int) -> None:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}.")
+
+
+# ----------------------------------------------------------------------------- state
+
+
+class OptimizerState(NamedTuple):
+    """State of `Optimizer`.
+
+    Attributes:
+      velocities: the previous update ``delta`` (the momentum direction).
+      estimator_state: the curvature blocks' state.
+      damping: the current damping.
+      data_seen: examples processed so far.
+      step_counter: steps taken so far (skipped non-finite steps not counted).
+    """
+
+    velocities: Any
+    estimator_state: EstimatorState
+    damping: jax.Array
+    data_seen: jax.Array
+    step_counter: jax.Array
+
+
+def _tree_dot(a: Any, b: Any) -> jax.Array:
+    parts = [jnp.vdot(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)]
+    return sum(parts, jnp.zeros((), jnp.float32))
+
+
+def _tree_axpy(a: Any, x: Any, y: Any) -> Any:
+    """``a * x + y`` for pytrees."""
+    return jax.tree.map(lambda u, v: (a * u + v).astype(v.dtype), x, y)
+
+
+def _tree_scale(a: Any, x: Any) -> Any:
+    return jax.tree.map(lambda u: (a * u).astype(u.dtype), x)
+
+
+def _all_finite(tree: Any) -> jax.Array:
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
+
+
+def _as_schedule(value: float | Schedule | None) -> Schedule | None:
+    if value is None or callable(value):
+        return value
+    constant = float(value)
+    return lambda step: constant
+
+
+# ----------------------------------------------------------------------------- optimizer
+
+
+class Optimizer:
+    """The K-FAC optimizer (kfac-jax compatible arguments).
+
+    Args:
+      value_and_grad_func: ``jax.value_and_grad(loss_fn, has_aux=...)``. The
+        optimizer evaluates ``loss_fn`` itself (one pass for the loss, the
+        gradient and the curvature statistics), so this is only used to get
+        at ``loss_fn``: its value output must not depend on anything the
+        gradient computation does.
+      l2_reg: weight decay: ``l2_reg * params`` is added to the gradient and
+        ``l2_reg`` to the damping of the curvature.
+      value_func_has_aux: ``loss_fn`` returns ``(loss, aux)``.
+      value_func_has_state: ``loss_fn`` takes a state after the parameters
+        and returns ``(loss, new_state)`` (or ``(loss, (new_state, aux))``
+        with aux), e.g. batch-norm statistics.
+      value_func_has_rng: ``loss_fn`` takes an rng key before the batch.
+      curvature, learning_rate, damping, batch: config dataclasses.
+      multi_device: pmap `step` over the local devices (batches then have a
+        leading device axis, parameters and state are replicated; see
+        `kfacx.parallel`); otherwise `step` is jit-compiled.
+      pmap_axis_name: the device axis name used by `step` when
+        ``multi_device`` (and by `unstaged_step` if you pmap it yourself).
+      debug: do not compile `step` (for debugging with Python prints).
+      **kwargs: any config field by its (kfac-jax) name, e.g.
+        ``use_adaptive_damping=True, initial_damping=1.0``; overrides the configs.
+
+    Raises:
+      TypeError: for an unknown keyword argument or a non-callable function.
+      ValueError: for inconsistent options.
+
+    Example::
+
+      optimizer = kfacx.Optimizer(
+          jax.value_and_grad(loss_fn), l2_reg=1e-5,
+          use_adaptive_learning_rate=True, use_adaptive_momentum=True,
+          use_adaptive_damping=True, initial_damping=1.0)
+      state = optimizer.init(params, rng, batch)
+      params, state, stats = optimizer.step(params, state, rng, batch)
+    """
+
+    State = OptimizerState
+
+    def __init__(
+        self,
+        value_and_grad_func: Callable[..., Any],
+        l2_reg: float = 0.0,
+        value_func_has_aux: bool = False,
+        value_func_has_state: bool = False,
+        value_func_has_rng: bool = False,
+        curvature: CurvatureConfig | None = None,
+        learning_rate: LearningRateConfig | None = None,
+        damping: DampingConfig | None = None,
+        batch: BatchConfig | None = None,
+        multi_device: bool = False,
+        pmap_axis_name: str = "kfac_axis",
+        debug: bool = False,
+        **kwargs: Any,
+    ):
+        if not callable(value_and_grad_func):
+            raise TypeError(f"value_and_grad_func must be callable, got {value_and_grad_func!r}.")
+        if not float(l2_reg) >= 0:
+            raise ValueError(f"l2_reg must be >= 0, got {l2_reg}.")
+        configs = {
+            "curvature": curvature or CurvatureConfig(),
+            "learning_rate": learning_rate or LearningRateConfig(),
+            "damping": damping or DampingConfig(),
+            "batch": batch or BatchConfig(),
+        }
+        for group, value in configs.items():
+            if not isinstance(value, _CONFIGS[group]):
+                raise TypeError(f"{group} must be a {_CONFIGS[group].__name__}, got {value!r}.")
+        for name in kwargs:
+            if name in _KFAC_JAX_ONLY:
+                raise TypeError(
+                    f"Optimizer: kfac-jax's argument {name!r} is not taken by kfacx: "
+                    f"{_KFAC_JAX_ONLY[name]}."
+                )
+        unknown = sorted(set(kwargs) - set(_FLAT_NAMES))
+        if unknown:
+            raise TypeError(
+                f"Optimizer got unknown arguments {unknown}. Known keyword options: "
+                f"{sorted(_FLAT_NAMES)}."
+            )
+        for group in _CONFIGS:
+            fields = {k: v for k, v in kwargs.items() if _FLAT_NAMES[k] == group}
+            if fields:
+                configs[group] = dataclasses.replace(configs[group], **fields)
+        self.curvature: CurvatureConfig = configs["curvature"]
+        self.learning_rate: LearningRateConfig = configs["learning_rate"]
+        self.damping: DampingConfig = configs["damping"]
+        self.batch: BatchConfig = configs["batch"]
+        self.value_and_grad_func = value_and_grad_func
+        self.l2_reg = float(l2_reg)
+        self.value_func_has_aux = value_func_has_aux
+        self.value_func_has_state = value_func_has_state
+        self.value_func_has_rng = value_func_has_rng
+        self.multi_device = multi_device
+        self.pmap_axis_name = pmap_axis_name
+        self.debug = debug
+        self._lr_schedule = _as_schedule(self.learning_rate.learning_rate_schedule)
+        self._momentum_schedule = _as_schedule(self.learning_rate.momentum_schedule)
+        self._damping_schedule = _as_schedule(self.damping.damping_schedule)
+        cfg = self.curvature
+        self.estimator = BlockDiagonalCurvature(
+            self._value_func,
+            params_index=0,
+            layer_tag_to_block_ctor=cfg.layer_tag_to_block_ctor,
+            default_estimation_mode=cfg.estimation_mode,
+            num_samples=cfg.num_estimator_samples,
+            exact_powers_to_cache=(-1,) if cfg.use_exact_inverses else (),
+            approx_powers_to_cache=() if cfg.use_exact_inverses else (-1,),
+            auto_register_tags=cfg.auto_register_tags,
+            auto_register_kwargs=cfg.auto_register_kwargs,
+        )
+        self._staged_step = None
+        self._staged_burnin = None
+        self._past_first_step = False
+
+    # ---------------------------------------------------------------- function plumbing
+
+    @property
+    def _has_aux_output(self) -> bool:
+        return self.value_func_has_aux or self.value_func_has_state
+
+    def _value_func(self, *args):
+        out, _ = self.value_and_grad_func(*args)
+        return out
+
+    def _func_args(self, params, func_state, rng, batch) -> tuple:
+        args = [params]
+        if self.value_func_has_state:
+            args.append(func_state)
+        if self.value_func_has_rng:
+            args.append(rng)
+        args.append(batch)
+        return tuple(args)
+
+    def _split_output(self, value):
+        """``func`` output -> ``(loss, func_state, aux)``, as kfac-jax reads it."""
+        if not self._has_aux_output:
+            return value, None, None
+        loss, other = value
+        if self.value_func_has_aux and self.value_func_has_state:
+            return loss, other[0], other[1]
+        if self.value_func_has_state:
+            return loss, other, None
+        return loss, None, other
+
+    def _batch_size(self, batch) -> jax.Array:
+        if self.batch.batch_size_extractor is not None:
+            return jnp.asarray(self.batch.batch_size_extractor(batch), jnp.int32)
+        leaves = jax.tree.leaves(batch)
+        if not leaves:
+            raise ValueError("The batch has no arrays; pass batch_size_extractor.")
+        return jnp.asarray(jnp.shape(leaves[0])[0], jnp.int32)
+
+    def _examples_seen(self, batch, axis) -> jax.Array:
+        """Real examples in ``batch`` (all devices): the mask's sum if there is one."""
+        mask = self._mask(batch)
+        n = self._batch_size(batch) if mask is None else jnp.sum(mask).round().astype(jnp.int32)
+        return n if axis is None else jax.lax.psum(n, axis)
+
+    def _mask(self, batch):
+        fn = self.batch.example_mask_extractor
+        return None if fn is None else jnp.asarray(fn(batch), jnp.float32)
+
+    def _check_func_state(self, func_state):
+        if self.value_func_has_state and func_state is None:
+            raise ValueError("value_func_has_state=True: pass func_state to init and step.")
+        if not self.value_func_has_state and func_state is not None:
+            raise ValueError("func_state was given but value_func_has_state=False.")
+
+    # ---------------------------------------------------------------- init
+
+    def init(self, params: Any, rng: jax.Array, batch: Any, func_state: Any = None):
+        """The initial `OptimizerState` (replicated over devices if ``multi_device``).
+
+        Traces the loss function on ``batch`` to find its layers.
+
+        Raises:
+          ValueError: if no loss is registered, a parameter is not covered, or
+            ``func_state`` does not match ``value_func_has_state``.
+        """
+        self._check_func_state(func_state)
+        self._past_first_step = False
+        if self.multi_device:
+            local = jax.tree.map(lambda x: x[0], (params, rng, batch, func_state))
+            self._set_up(*local)
+            return jax.pmap(self.unstaged_init, axis_name=self.pmap_axis_name)(
+                params, rng, batch, func_state
+            )
+        self._set_up(params, rng, batch, func_state)
+        return self.unstaged_init(params, rng, batch, func_state)
+
+    def _set_up(self, params, rng, batch, func_state):
+        self.estimator.set_up(self._func_args(params, func_state, rng, self._microbatch(batch)))
+
+    def unstaged_init(self, params: Any, rng: jax.Array, batch: Any, func_state: Any = None):
+        """`init` without staging (pure; for users who jit or pmap it themselves)."""
+        args = self._func_args(params, func_state, rng, self._microbatch(batch))
+        est = self.estimator.init(rng, args)
+        initial = self.damping.initial_damping
+        return OptimizerState(
+            velocities=jax.tree.map(jnp.zeros_like, params),
+            estimator_state=est,
+            damping=jnp.asarray(0.0 if initial is None else initial, jnp.float32),
+            data_seen=jnp.zeros((), jnp.int32),
+            step_counter=jnp.zeros((), jnp.int32),
+        )
+
+    def _microbatch(self, batch):
+        """One micro-batch's worth of ``batch`` (shapes only matter)."""
+        if self.batch.num_microbatches == 1:
+            return batch
+        return jax.tree.map(lambda x: x[0], self._split_batch(batch))
+
+    # ---------------------------------------------------------------- batch passes
+
+    def _split_batch(self, batch):
+        k = self.batch.num_microbatches
+
+        def split(x):
+            n = jnp.shape(x)[0]
+            if n % k:
+                raise ValueError(
+                    f"num_microbatches={k} does not divide the batch's leading dimension {n}."
+                )
+            return jnp.reshape(x, (k, n // k, *jnp.shape(x)[1:]))
+
+        return jax.tree.map(split, batch)
+
+    def _scan_batch(self, batch, func_state, init, body):
+        """Folds ``body(carry, chunk, func_state, index) -> (carry, func_state)`` over
+        the micro-batches (one call with the whole batch when there is one)."""
+        if self.batch.num_microbatches == 1:
+            return body(init, batch, func_state, 0)
+
+        def step(carry, xs):
+            acc, state = carry
+            chunk, index = xs
+            return body(acc, chunk, state, index), None
+
+        chunks = self._split_batch(batch)
+        indices = jnp.arange(self.batch.num_microbatches)
+        (acc, state), _ = jax.lax.scan(step, (init, func_state), (chunks, indices))
+        return acc, state
+
+    def _weight(self, chunk):
+        mask = self._mask(chunk)
+        if mask is not None:
+            return mask, jnp.sum(mask)
+        n = jnp.shape(jax.tree.leaves(chunk)[0])[0]
+        return None, jnp.asarray(n, jnp.float32)
+
+    def _value_grads_stats(self, params, func_state, rng, batch, with_stats: bool):
+        """Loss, gradient (and curvature statistics) averaged over the real examples."""
+        est = self.estimator
+        zero_stats = est.zero_curvature_stats()
+
+        def body(acc, chunk, state, index):
+            loss_sum, grad_sum, stats_sum, total, _ = acc
+            chunk_rng = jax.random.fold_in(rng, index)
+            model_rng, curv_rng = jax.random.split(chunk_rng)
+            args = self._func_args(params, state, model_rng, chunk)
+            mask, n = self._weight(chunk)
+            if with_stats:
+                value, grads, stats = est.value_grads_and_curvature_stats(
+                    curv_rng, args, self._has_aux_output, example_mask=mask
+                )
+            else:
+                value, grads = jax.value_and_grad(
+                    lambda p: _first(est.tagged_func(args)(p, *args[1:]), self._has_aux_output),
+                    has_aux=True,
+                )(params)
+                value = value[1]
+                stats = zero_stats
+            loss, new_state, aux = self._split_output(value)
+            sums = _add_weighted((loss_sum, grad_sum, stats_sum), n, (loss, grads, stats.blocks))
+            return (*sums, total + n, aux), new_state
+
+        zero_grads = jax.tree.map(jnp.zeros_like, params)
+        aux0 = self._aux_shape(params, func_state, rng, batch)
+        init = (jnp.zeros((), jnp.float32), zero_grads, zero_stats.blocks, jnp.zeros(()), aux0)
+        (loss_sum, grad_sum, stats_sum, total, aux), new_state = self._scan_batch(
+            batch, func_state, init, body
+        )
+        safe = jnp.where(total > 0, total, 1.0)
+        loss = loss_sum / safe
+        grads = _tree_scale(1.0 / safe, grad_sum)
+        stats = CurvatureStats(jax.tree.map(lambda s: s / safe, stats_sum), total)
+        return loss, grads, stats, new_state, aux
+
+    def _aux_shape(self, params, func_state, rng, batch):
+        """Zeros shaped like ``func``'s aux output on one micro-batch (scan carry)."""
+        if not self.value_func_has_aux:
+            return None
+        args = self._func_args(params, func_state, rng, self._microbatch(batch))
+        out = jax.eval_shape(self._value_func, *args)
+        _, _, aux = self._split_output(out)
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux)
+
+    def _loss_at(self, params, func_state, rng, batch) -> jax.Array:
+        """The loss (averaged over the real examples) at ``params``."""
+
+        def body(acc, chunk, state, index):
+            loss_sum, total = acc
+            model_rng, _ = jax.random.split(jax.random.fold_in(rng, index))
+            args = self._func_args(params, state, model_rng, chunk)
+            loss, new_state, _ = self._split_output(self._value_func(*args))
+            _, n = self._weight(chunk)
+            return (_add_weighted(loss_sum, n, loss), total + n), new_state
+
+        (loss_sum, total), _ = self._scan_batch(
+            batch, func_state, (jnp.zeros(()), jnp.zeros(())), body
+        )
+        return loss_sum / jnp.where(total > 0, total, 1.0)
+
+    def _curvature_gram(self, params, func_state, rng, batch, vectors) -> jax.Array:
+        """``G[i, j] = v_i^T C v_j`` with ``C`` the exact Gauss-Newton (= Fisher for the
+        registered losses) of the batch, averaged over the real examples."""
+        est = self.estimator
+        k = len(vectors)
+
+        def body(acc, chunk, state, index):
+            gram_sum, total = acc
+            model_rng, _ = jax.random.split(jax.random.fold_in(rng, index))
+            args = self._func_args(params, state, model_rng, chunk)
+            losses, jvp = tracer.loss_tags_linearize(est.tagged_func(args), args, 0)
+            tangents = [jvp(v) for v in vectors]
+            mask, n = self._weight(chunk)
+            rows = []
+            for i in range(k):
+                for j in range(i, k):
+                    total_ij = jnp.zeros(())
+                    for loss, ti, tj in zip(losses, tangents[i], tangents[j], strict=True):
+                        prod = ti * loss.multiply_ggn(tj)
+                        if mask is not None:
+                            prod = prod * mask.reshape((-1,) + (1,) * (prod.ndim - 1))
+                        total_ij = total_ij + jnp.sum(prod)
+                    rows.append(total_ij)
+            return (gram_sum + jnp.stack(rows), total + n), state
+
+        num = k * (k + 1) // 2
+        (gram_sum, total), _ = self._scan_batch(
+            batch, func_state, (jnp.zeros((num,)), jnp.zeros(())), body
+        )
+        upper = gram_sum / jnp.where(total > 0, total, 1.0)
+        gram = jnp.zeros((k, k))
+        index = 0
+        for i in range(k):
+            for j in range(i, k):
+                gram = gram.at[i, j].set(upper[index]).at[j, i].set(upper[index])
+                index += 1
+        return gram
+
+    # ---------------------------------------------------------------- the step
+
+    def unstaged_step(
+        self,
+        params: Any,
+        state: OptimizerState,
+        rng: jax.Array,
+        batch: Any,
+        func_state: Any = None,
+        learning_rate: Any = None,
+        momentum: Any = None,
+        damping: Any = None,
+        global_step_int: Any = None,
+    ):
+        """One K-FAC step without staging (pure; see `step` for the arguments).
+
+        Under `jax.pmap` with ``axis_name=pmap_axis_name`` (``multi_device``),
+        every reduction is averaged over that axis.
+
+        Returns:
+          ``(params, state, stats)``, or ``(params, state, func_state, stats)``
+          with ``value_func_has_state``.
+        """
+        axis = self.pmap_axis_name if self.multi_device else None
+        cfg, lr_cfg, damp_cfg = self.curvature, self.learning_rate, self.damping
+        est = self.estimator
+        step = state.step_counter
+        global_step = step if global_step_int is None else global_step_int
+
+        update_curvature = step % cfg.curvature_update_period == 0
+        if cfg.curvature_update_period == 1:
+            loss, grads, stats, new_func_state, aux = self._value_grads_stats(
+                params, func_state, rng, batch, True
+            )
+        else:
+            loss, grads, stats, new_func_state, aux = jax.lax.cond(
+                update_curvature,
+                lambda: self._value_grads_stats(params, func_state, rng, batch, True),
+                lambda: self._value_grads_stats(params, func_state, rng, batch, False),
+            )
+        if axis is not None:
+            loss, grads = jax.lax.pmean((loss, grads), axis)
+            stats = weighted_mean_stats(stats, axis)
+            if new_func_state is not None:
+                new_func_state = jax.lax.pmean(new_func_state, axis)
+        raw_grads = grads
+        if self.l2_reg:
+            grads = _tree_axpy(self.l2_reg, params, grads)
+
+        # Damping.
+        if damp_cfg.use_adaptive_damping:
+            lam = state.damping
+        elif damping is not None:
+            lam = jnp.asarray(damping, jnp.float32)
+        elif self._damping_schedule is not None:
+            lam = jnp.asarray(self._damping_schedule(global_step), jnp.float32)
+        elif damp_cfg.initial_damping is not None:
+            lam = state.damping
+        else:
+            raise ValueError(
+                "No damping: pass damping= to step, a damping_schedule, initial_damping, or "
+                "use_adaptive_damping=True with initial_damping."
+            )
+        identity_weight = lam + self.l2_reg
+
+        # Curvature.
+        ema = cfg.curvature_ema
+        ema_old = jnp.where(update_curvature, ema, 1.0)
+        ema_new = jnp.where(update_curvature, 1.0 - ema, 0.0)
+        est_state = est.update_curvature_estimate_from_stats(
+            state.estimator_state, stats, ema_old, ema_new
+        )
+        est_state = jax.lax.cond(
+            step % cfg.inverse_update_period == 0,
+            lambda e: est.update_cache(e, identity_weight),
+            lambda e: e,
+            est_state,
+        )
+        precon = est.multiply_inverse(
+            est_state, grads, identity_weight, exact_power=cfg.use_exact_inverses, use_cached=True
+        )
+
+        # Learning rate and momentum.
+        velocity = state.velocities
+        need_gram = lr_cfg.use_adaptive_learning_rate or damp_cfg.use_adaptive_damping
+        sq_norm = lambda v: _tree_dot(v, v)  # noqa: E731
+        if lr_cfg.use_adaptive_learning_rate:
+            gram = self._curvature_gram(params, func_state, rng, batch, [precon, velocity])
+            if axis is not None:
+                gram = jax.lax.pmean(gram, axis)
+            norms = jnp.array(
+                [
+                    [sq_norm(precon), _tree_dot(precon, velocity)],
+                    [_tree_dot(precon, velocity), sq_norm(velocity)],
+                ]
+            )
+            damped = gram + identity_weight * norms
+            b = jnp.array([_tree_dot(grads, precon), _tree_dot(grads, velocity)])
+            if lr_cfg.use_adaptive_momentum:
+                coeffs = _solve_2x2(damped, b)
+            else:
+                mom = self._momentum(momentum, global_step)
+                c0 = -(b[0] + damped[0, 1] * mom) / _safe(damped[0, 0])
+                coeffs = jnp.stack([c0, jnp.asarray(mom, jnp.float32)])
+            lr, mom = -coeffs[0], coeffs[1]
+        else:
+            lr = self._learning_rate(learning_rate, global_step)
+            mom = jnp.asarray(self._momentum(momentum, global_step), jnp.float32)
+            if lr_cfg.norm_constraint is not None:
+                sq = _tree_dot(precon, grads) * lr**2
+                scale = jnp.minimum(1.0, jnp.sqrt(lr_cfg.norm_constraint / _safe(sq)))
+                precon = _tree_scale(scale, precon)
+            gram = None
+            if need_gram:
+                gram = self._curvature_gram(params, func_state, rng, batch, [precon, velocity])
+                if axis is not None:
+                    gram = jax.lax.pmean(gram, axis)
+            norms = jnp.array(
+                [
+                    [sq_norm(precon), _tree_dot(precon, velocity)],
+                    [_tree_dot(precon, velocity), sq_norm(velocity)],
+                ]
+            )
+            b = jnp.array([_tree_dot(grads, precon), _tree_dot(grads, velocity)])
+            coeffs = jnp.stack([-lr, mom])
+
+        delta = jax.tree.map(
+            lambda p, v: (coeffs[0] * p + coeffs[1] * v).astype(p.dtype), precon, velocity
+        )
+        new_params = jax.tree.map(lambda p, d: p + d, params, delta)
+
+        # Quadratic model and damping adaptation.
+        quad_change = jnp.nan
+        rho = jnp.nan
+        new_damping = state.damping
+        if gram is not None:
+            quad_weight = self.l2_reg + (lam if damp_cfg.include_damping_in_quad_change else 0.0)
+            quad_change = 0.5 * coeffs @ (gram + quad_weight * norms) @ coeffs + coeffs @ b
+        if damp_cfg.use_adaptive_damping:
+            interval = damp_cfg.damping_adaptation_interval
+            adapt = (step + 1) % interval == 0
+
+            def adapted(_):
+                new_loss = self._loss_at(new_params, func_state, rng, batch)
+                if axis is not None:
+                    new_loss = jax.lax.pmean(new_loss, axis)
+                reg = (
+                    0.5
+                    * self.l2_reg
+                    * (_tree_dot(new_params, new_params) - _tree_dot(params, params))
+                )
+                ratio = (new_loss - loss + reg) / quad_change
+                decay = damp_cfg.damping_adaptation_decay**interval
+                d = state.damping
+                d = jnp.where(ratio < damp_cfg.damping_lower_threshold, d / decay, d)
+                d = jnp.where(ratio > damp_cfg.damping_upper_threshold, d * decay, d)
+                d = jnp.where(jnp.isfinite(ratio), d, state.damping)
+                return jnp.clip(d, damp_cfg.min_damping, damp_cfg.max_damping), ratio
+
+            new_damping, rho = jax.lax.cond(
+                adapt, adapted, lambda _: (state.damping, jnp.asarray(jnp.nan)), None
+            )
+
+        new_state = OptimizerState(
+            velocities=delta,
+            estimator_state=est_state,
+            damping=jnp.asarray(new_damping, jnp.float32),
+            data_seen=state.data_seen + self._examples_seen(batch, axis),
+            step_counter=step + 1,
+        )
+        finite = _all_finite((loss, raw_grads, stats.blocks))
+        new_params, new_state = jax.tree.map(
+            lambda new, old: jnp.where(finite, new, old), (new_params, new_state), (params, state)
+        )
+        if new_func_state is not None:
+            new_func_state = jax.tree.map(
+                lambda new, old: jnp.where(finite, new, old), new_func_state, func_state
+            )
+        stats_out = dict(
+            loss=loss,
+            learning_rate=jnp.asarray(lr, jnp.float32),
+            momentum=jnp.asarray(mom, jnp.float32),
+            damping=jnp.asarray(lam, jnp.float32),
+            rho=jnp.asarray(rho, jnp.float32),
+            quad_model_change=jnp.asarray(quad_change, jnp.float32),
+            grad_norm=jnp.sqrt(sq_norm(grads)),
+            precon_grad_norm=jnp.sqrt(sq_norm(precon)),
+            update_norm=jnp.sqrt(sq_norm(delta)),
+            step=step,
+            data_seen=new_state.data_seen,
+            skipped=~finite,
+        )
+        if self.value_func_has_aux:
+            stats_out["aux"] = aux
+        if self.value_func_has_state:
+            return new_params, new_state, new_func_state, stats_out
+        return new_params, new_state, stats_out
+
+    def _learning_rate(self, value, global_step):
+        if value is not None:
+            return jnp.asarray(value, jnp.float32)
+        if self._lr_schedule is not None:
+            return jnp.asarray(self._lr_schedule(global_step), jnp.float32)
+        raise ValueError(
+            "No learning rate: pass learning_rate= to step, a learning_rate_schedule, or "
+            "use_adaptive_learning_rate=True."
+        )
+
+    def _momentum(self, value, global_step):
+        if value is not None:
+            return jnp.asarray(value, jnp.float32)
+        if self._momentum_schedule is not None:
+            return jnp.asarray(self._momentum_schedule(global_step), jnp.float32)
+        return jnp.zeros((), jnp.float32)
+
+    # ---------------------------------------------------------------- staged entry points
+
+    def _stage(self):
+        if self._staged_step is None:
+            fn = self.unstaged_step
+            if self.debug:
+                self._staged_step = fn
+            elif self.multi_device:
+                self._staged_step = jax.pmap(
+                    fn,
+                    axis_name=self.pmap_axis_name,
+                    in_axes=(0, 0, 0, 0, 0, None, None, None, None),
+                )
+            else:
+                self._staged_step = jax.jit(fn)
+        return self._staged_step
+
+    def step(
+        self,
+        params: Any,
+        state: OptimizerState,
+        rng: jax.Array,
+        batch: Any = None,
+        func_state: Any = None,
+        learning_rate: Any = None,
+        momentum: Any = None,
+        damping: Any = None,
+        global_step_int: int | None = None,
+        data_iterator: Iterator[Any] | None = None,
+    ):
+        """One K-FAC step, jit-compiled (or pmapped with ``multi_device``).
+
+        Args:
+          params: the parameters.
+          state: the `OptimizerState`.
+          rng: a random key (per device with ``multi_device``).
+          batch: the batch (with a leading device axis with ``multi_device``).
+          func_state: the loss function's state, with ``value_func_has_state``.
+          learning_rate, momentum, damping: values for this step, when they
+            are neither adaptive nor scheduled.
+          global_step_int: the step passed to schedules (default: the state's counter).
+          data_iterator: alternatively to ``batch``, an iterator of batches
+            (also used for the burn-in before the first step).
+
+        Returns:
+          ``(params, state, stats)`` or ``(params, state, func_state, stats)``;
+          ``stats`` holds ``loss``, ``learning_rate``, ``momentum``,
+          ``damping``, ``rho``, ``quad_model_change``, ``grad_norm``,
+          ``precon_grad_norm``, ``update_norm``, ``step``, ``data_seen``,
+          ``skipped`` (a non-finite loss, gradient or statistic: parameters
+          and state are left unchanged) and ``aux``.
+        """
+        self._check_func_state(func_state)
+        if (batch is None) == (data_iterator is None):
+            raise ValueError("Pass exactly one of batch and data_iterator.")
+        if self.curvature.num_burnin_steps and self._first_step(state, global_step_int):
+            source = data_iterator if data_iterator is not None else _repeat(batch)
+            rng, burnin_rng = _split_key(rng, self.multi_device)
+            state, func_state = self.burnin(
+                self.curvature.num_burnin_steps, params, state, burnin_rng, source, func_state
+            )
+        if batch is None:
+            batch = next(data_iterator)
+        self._past_first_step = True
+        return self._stage()(
+            params, state, rng, batch, func_state, learning_rate, momentum, damping, global_step_int
+        )
+
+    def _first_step(self, state, global_step_int) -> bool:
+        """Whether this is the first step (reads the counter only until it is past)."""
+        if global_step_int is not None:
+            return int(global_step_int) == 0
+        if self._past_first_step:
+            return False
+        return int(np.asarray(state.step_counter).reshape(-1)[0]) == 0
+
+    def burnin(
+        self,
+        num_steps: int,
+        params: Any,
+        state: OptimizerState,
+        rng: jax.Array,
+        data_iterator: Iterator[Any],
+        func_state: Any = None,
+    ):
+        """Updates the curvature estimate on ``num_steps`` batches without moving the
+        parameters (done automatically before the first `step` when
+        ``num_burnin_steps > 0``). Returns ``(state, func_state)``."""
+        if self._staged_burnin is None:
+            fn = self._burnin_step
+            if self.debug:
+                self._staged_burnin = fn
+            elif self.multi_device:
+                self._staged_burnin = jax.pmap(fn, axis_name=self.pmap_axis_name)
+            else:
+                self._staged_burnin = jax.jit(fn)
+        for i in range(num_steps):
+            batch = next(data_iterator)
+            step_rng = _fold_in(rng, i, self.multi_device)
+            state, func_state = self._staged_burnin(params, state, step_rng, batch, func_state)
+        return state, func_state
+
+    def _burnin_step(self, params, state, rng, batch, func_state):
+        _, _, stats, new_func_state, _ = self._value_grads_stats(
+            params, func_state, rng, batch, True
+        )
+        axis = self.pmap_axis_name if self.multi_device else None
+        ema = self.curvature.curvature_ema
+        est_state = self.estimator.update_curvature_estimate_from_stats(
+            state.estimator_state, stats, ema, 1.0 - ema, axis
+        )
+        if new_func_state is not None and axis is not None:
+            new_func_state = jax.lax.pmean(new_func_state, axis)
+        return state._replace(estimator_state=est_state), new_func_state
+
+
+def _add_weighted(total: Any, weight: jax.Array, value: Any) -> Any:
+    """``total + weight * value``, leaving ``total`` alone when ``weight`` is 0 (a
+    micro-batch of padding only, whose masked mean loss may be 0/0)."""
+    return jax.tree.map(
+        lambda t, v: t + jnp.where(weight > 0, weight * v, 0).astype(t.dtype), total, value
+    )
+
+
+def _first(value, has_aux):
+    """``func`` output -> ``(loss, value)`` for `jax.value_and_grad` with aux."""
+    return (value[0] if has_aux else value), value
+
+
+def _safe(x: jax.Array) -> jax.Array:
+    return jnp.where(jnp.abs(x) > 0, x, 1.0)
+
+
+def _solve_2x2(m: jax.Array, b: jax.Array) -> jax.Array:
+    """Minimiser ``-m^-1 b`` of ``0.5 c^T m c + b^T c``; only the first coordinate
+    when the second direction is zero (the first step, with no velocity yet)."""
+    det = m[0, 0] * m[1, 1] - m[0, 1] * m[1, 0]
+    full = -jnp.array([m[1, 1] * b[0] - m[0, 1] * b[1], m[0, 0] * b[1] - m[1, 0] * b[0]]) / _safe(
+        det
+    )
+    first_only = jnp.array([-b[0] / _safe(m[0, 0]), 0.0])
+    degenerate = (m[1, 1] <= 0) | (jnp.abs(det) <= 1e-12 * jnp.abs(m[0, 0] * m[1, 1]))
+    return jnp.where(degenerate, first_only, full)
+
+
+def _repeat(batch):
+    while True:
+        yield batch
+
+
+def _split_key(rng, multi_device):
+    if multi_device:
+        keys = jax.vmap(jax.random.split)(rng)
+        return keys[:, 0], keys[:, 1]
+    a, b = jax.random.split(rng)
+    return a, b
+
+
+def _fold_in(rng, i, multi_device):
+    if multi_device:
+        return jax.vmap(lambda k: jax.random.fold_in(k, i))(rng)
+    return jax.random.fold_in(rng, i)

@@ -1,0 +1,51 @@
+"""Helpers for data-parallel training with `jax.pmap` (``Optimizer(multi_device=True)``).
+
+With ``multi_device=True`` the parameters and the optimizer state carry a
+leading axis of size `jax.local_device_count` (one identical copy per device),
+the batch is split along a leading device axis, and each device gets its own
+rng key::
+
+    params = kfacx.parallel.replicate_all_local_devices(params)
+    rng = kfacx.parallel.make_different_rng_key_on_all_devices(rng)
+    batch = kfacx.parallel.shard_batch(batch)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+def replicate_all_local_devices(tree: Any) -> Any:
+    """Adds a leading axis with one copy of every leaf per local device."""
+    n = jax.local_device_count()
+    return jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *jnp.shape(x))), tree)
+
+
+def make_different_rng_key_on_all_devices(rng: jax.Array) -> jax.Array:
+    """One different key per local device (a leading device axis)."""
+    return jax.random.split(rng, jax.local_device_count())
+
+
+def shard_batch(batch: Any) -> Any:
+    """Splits every leaf's leading (batch) axis into ``[devices, batch // devices, ...]``.
+
+    Raises:
+      ValueError: if the number of local devices does not divide the batch.
+    """
+    n = jax.local_device_count()
+
+    def split(x):
+        size = jnp.shape(x)[0]
+        if size % n:
+            raise ValueError(f"The batch size {size} is not divisible by the {n} local devices.")
+        return jnp.reshape(x, (n, size // n, *jnp.shape(x)[1:]))
+
+    return jax.tree.map(split, batch)
+
+
+def get_first(tree: Any) -> Any:
+    """The first device's copy of a replicated pytree."""
+    return jax.tree.map(lambda x: x[0], tree)
