@@ -639,3 +639,29 @@ def test_backward_pass_of_value_and_grad_is_not_mistaken_for_layers(wrap):
         **DETERMINISTIC,
     )
     assert_trees_close(run(opt, params, batch, 2)[0], run(reference, params, batch, 2)[0])
+
+
+def test_curvature_batch_fraction_estimates_on_the_leading_examples_only():
+    params, batch = make_params(), make_batch(n=32)
+    opt = kfacx.Optimizer(
+        jax.value_and_grad(mlp_loss),
+        learning_rate_schedule=0.1,
+        initial_damping=1e-2,
+        curvature_batch_fraction=0.25,
+        **DETERMINISTIC,
+    )
+    _, state, history = run(opt, params, batch, 1)
+    estimator = kfacx.BlockDiagonalCurvature(mlp_loss, default_estimation_mode="fisher_empirical")
+    subset = jax.tree.map(lambda a: a[:8], batch)
+    estimator.init(jax.random.key(0), (params, subset))
+    stats = estimator.compute_curvature_stats(jax.random.key(0), (params, subset))
+    for block_state, block_stats in zip(state.estimator_state.blocks, stats.blocks, strict=True):
+        for factor, stat in zip(block_state.factors, block_stats, strict=True):
+            np.testing.assert_allclose(factor.value, stat, rtol=1e-5, atol=1e-7)
+    # The gradient is still the full batch's.
+    grads = jax.grad(mlp_loss)(params, batch)
+    np.testing.assert_allclose(
+        history[0]["grad_norm"], jnp.sqrt(kfacx.optimizer._tree_dot(grads, grads)), rtol=1e-5
+    )
+    with pytest.raises(ValueError, match="curvature_batch_fraction"):
+        kfacx.CurvatureConfig(curvature_batch_fraction=0.0)
