@@ -186,7 +186,8 @@ def accumulate_curvature_stats(
 
     Args:
       estimator: the estimator the statistics come from; it must be set up
-        (create `scale_by_kfac` first, or call ``estimator.init``).
+        when ``init`` is called (creating `scale_by_kfac` sets it up, so the
+        order of construction does not matter).
       num_microbatches: micro-batches per update.
 
     Returns:
@@ -194,14 +195,13 @@ def accumulate_curvature_stats(
       ``((grads, {"curvature_stats": stats}), state)``.
     """
     _check_period(num_microbatches, "num_microbatches")
-    zero_stats = estimator.zero_curvature_stats()
 
     def init_fn(params):
         return AccumulateCurvatureStatsState(
             jnp.zeros((), jnp.int32),
             jnp.zeros((), bool),
             optax.tree.zeros_like(params),
-            zero_stats,
+            estimator.zero_curvature_stats(),
         )
 
     def update_fn(updates, state, params=None, *, curvature_stats=None, **extra_args):
@@ -226,6 +226,7 @@ def accumulate_curvature_stats(
         )
         zero = jax.tree_util.tree_map(jnp.zeros_like, mean_grads)
         out_grads = jax.tree_util.tree_map(lambda m, z: jnp.where(ready, m, z), mean_grads, zero)
+        zero_stats = jax.tree_util.tree_map(jnp.zeros_like, state.stats)
         new_state = jax.tree_util.tree_map(
             lambda reset, keep: jnp.where(ready, reset, keep),
             AccumulateCurvatureStatsState(step * 0, ready, zero, zero_stats),

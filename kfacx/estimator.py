@@ -257,7 +257,10 @@ class BlockDiagonalCurvature:
 
     def _require_set_up(self) -> tracer.TracedFunction:
         if self._traced is None:
-            raise ValueError("BlockDiagonalCurvature: call init(rng, func_args) first.")
+            raise ValueError(
+                "BlockDiagonalCurvature is not set up yet: call init(rng, func_args) or "
+                "set_up(func_args) first (creating kfacx.scale_by_kfac also sets it up)."
+            )
         return self._traced
 
     # ---------------------------------------------------------------- vectors

@@ -27,3 +27,38 @@ def test_quickstart_trains_and_beats_chance():
     assert "test accuracy" in out
     kfac_acc = float(out.split("kfacx ")[1].split(",")[0])
     assert kfac_acc > 0.8, out
+
+
+def test_autoencoder_example_runs_and_writes_its_plot(tmp_path):
+    plot = tmp_path / "ae.png"
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "examples" / "autoencoder_mnist.py"),
+            "--steps",
+            "4",
+            "--grid-steps",
+            "2",
+            "--batch-size",
+            "100",
+            "--burnin",
+            "1",
+            "--adam-rates",
+            "1e-3",
+            "--sgd-rates",
+            "1e-2",
+            "--no-progress",
+            "--plot",
+            str(plot),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    ).stdout
+    assert plot.stat().st_size > 10_000
+    rows = {
+        line.split()[0]: line.split() for line in out.splitlines() if line[:1] and line[0] in "KAS"
+    }
+    kfac_final = float(rows["K-FAC"][1])
+    assert 0 < kfac_final < 543.0, out  # below the loss of the untrained network
