@@ -60,10 +60,11 @@ class CurvatureConfig:
         eigendecompositions) instead of with factored "pi" damping.
       num_estimator_samples: sampled cotangents per example in the sampling modes.
       num_burnin_steps: curvature-only updates before the first step.
-      curvature_batch_fraction: estimate the curvature on this leading
-        fraction of each (micro-)batch only (the gradient always uses all of
-        it); e.g. 1/8 as in Martens & Grosse (2015). With 1 the loss, gradient
-        and statistics share one forward pass.
+      curvature_batch_fraction: estimate the curvature — the factor statistics
+        and the exact curvature products of the quadratic model — on this
+        leading fraction of each (micro-)batch only; the loss and the gradient
+        always use all of it. E.g. 1/8 as in Martens & Grosse (2015). With 1 the
+        loss, gradient and statistics share one forward pass.
       layer_tag_to_block_ctor: block classes per tag name (see
         `kfacx.BlockDiagonalCurvature`).
       auto_register_kwargs: arguments of `kfacx.auto_register_tags`.
@@ -559,8 +560,15 @@ class Optimizer:
         n = jnp.shape(jax.tree.leaves(chunk)[0])[0]
         return None, jnp.asarray(n, jnp.float32)
 
-    def _value_grads_stats(self, params, func_state, rng, batch, with_stats: bool):
-        """Loss, gradient (and curvature statistics) averaged over the real examples."""
+    def _value_grads_stats(
+        self, params, func_state, rng, batch, with_stats: bool, linearization: list | None = None
+    ):
+        """Loss, gradient (and curvature statistics) averaged over the real examples.
+
+        With a ``linearization`` list (one micro-batch, full-batch statistics),
+        ``(losses, jvp, mask, n)`` of the forward pass is appended to it, for the
+        quadratic model's curvature products without another forward pass.
+        """
         est = self.estimator
         zero_stats = est.zero_curvature_stats()
 
@@ -570,7 +578,12 @@ class Optimizer:
             model_rng, curv_rng = jax.random.split(chunk_rng)
             args = self._func_args(params, state, model_rng, chunk)
             mask, n = self._weight(chunk)
-            if with_stats and self.curvature.curvature_batch_fraction == 1.0:
+            if with_stats and linearization is not None:
+                value, grads, stats, (losses, jvp) = est.value_grads_and_curvature_stats(
+                    curv_rng, args, self._has_aux_output, example_mask=mask, return_jvp=True
+                )
+                linearization.append((losses, jvp, mask, n))
+            elif with_stats and self.curvature.curvature_batch_fraction == 1.0:
                 value, grads, stats = est.value_grads_and_curvature_stats(
                     curv_rng, args, self._has_aux_output, example_mask=mask
                 )
@@ -639,43 +652,40 @@ class Optimizer:
         )
         return loss_sum / jnp.where(total > 0, total, 1.0)
 
+    @property
+    def _one_forward_pass(self) -> bool:
+        """Whether the quadratic model can reuse the step's forward pass (one
+        micro-batch, statistics on the full batch every step)."""
+        cfg = self.curvature
+        return (
+            self.batch.num_microbatches == 1
+            and cfg.curvature_batch_fraction == 1.0
+            and cfg.curvature_update_period == 1
+        )
+
     def _curvature_gram(self, params, func_state, rng, batch, vectors) -> jax.Array:
         """``G[i, j] = v_i^T C v_j`` with ``C`` the exact Gauss-Newton (= Fisher for the
-        registered losses) of the batch, averaged over the real examples."""
+        registered losses) averaged over the real examples of the batch (of its leading
+        ``curvature_batch_fraction``, like the curvature statistics)."""
         est = self.estimator
         k = len(vectors)
 
         def body(acc, chunk, state, index):
             gram_sum, total = acc
+            if self.curvature.curvature_batch_fraction < 1.0:
+                m = self._subset_size(chunk)
+                chunk = jax.tree.map(lambda x: x[:m], chunk)
             model_rng, _ = jax.random.split(jax.random.fold_in(rng, index))
             args = self._func_args(params, state, model_rng, chunk)
             losses, jvp = tracer.loss_tags_linearize(est.tagged_func(args), args, 0)
-            tangents = [jvp(v) for v in vectors]
             mask, n = self._weight(chunk)
-            rows = []
-            for i in range(k):
-                for j in range(i, k):
-                    total_ij = jnp.zeros(())
-                    for loss, ti, tj in zip(losses, tangents[i], tangents[j], strict=True):
-                        prod = ti * loss.multiply_ggn(tj)
-                        if mask is not None:
-                            prod = prod * mask.reshape((-1,) + (1,) * (prod.ndim - 1))
-                        total_ij = total_ij + jnp.sum(prod)
-                    rows.append(total_ij)
-            return (gram_sum + jnp.stack(rows), total + n), state
+            return (gram_sum + _gram_upper(losses, jvp, vectors, mask), total + n), state
 
         num = k * (k + 1) // 2
         (gram_sum, total), _ = self._scan_batch(
             batch, func_state, (jnp.zeros((num,)), jnp.zeros(())), body
         )
-        upper = gram_sum / jnp.where(total > 0, total, 1.0)
-        gram = jnp.zeros((k, k))
-        index = 0
-        for i in range(k):
-            for j in range(i, k):
-                gram = gram.at[i, j].set(upper[index]).at[j, i].set(upper[index])
-                index += 1
-        return gram
+        return _symmetric(gram_sum / jnp.where(total > 0, total, 1.0), k)
 
     # ---------------------------------------------------------------- the step
 
@@ -707,9 +717,11 @@ class Optimizer:
         global_step = step if global_step_int is None else global_step_int
 
         update_curvature = step % cfg.curvature_update_period == 0
+        need_gram = lr_cfg.use_adaptive_learning_rate or damp_cfg.use_adaptive_damping
+        linearization = [] if need_gram and self._one_forward_pass else None
         if cfg.curvature_update_period == 1:
             loss, grads, stats, new_func_state, aux = self._value_grads_stats(
-                params, func_state, rng, batch, True
+                params, func_state, rng, batch, True, linearization
             )
         else:
             loss, grads, stats, new_func_state, aux = jax.lax.cond(
@@ -761,12 +773,18 @@ class Optimizer:
 
         # Learning rate and momentum.
         velocity = state.velocities
-        need_gram = lr_cfg.use_adaptive_learning_rate or damp_cfg.use_adaptive_damping
+
+        def curvature_gram(vectors):
+            if linearization:
+                losses, jvp, mask, n = linearization[0]
+                gram = _symmetric(_gram_upper(losses, jvp, vectors, mask) / n, len(vectors))
+            else:
+                gram = self._curvature_gram(params, func_state, rng, batch, vectors)
+            return gram if axis is None else jax.lax.pmean(gram, axis)
+
         sq_norm = lambda v: _tree_dot(v, v)  # noqa: E731
         if lr_cfg.use_adaptive_learning_rate:
-            gram = self._curvature_gram(params, func_state, rng, batch, [precon, velocity])
-            if axis is not None:
-                gram = jax.lax.pmean(gram, axis)
+            gram = curvature_gram([precon, velocity])
             norms = jnp.array(
                 [
                     [sq_norm(precon), _tree_dot(precon, velocity)],
@@ -791,9 +809,7 @@ class Optimizer:
                 precon = _tree_scale(scale, precon)
             gram = None
             if need_gram:
-                gram = self._curvature_gram(params, func_state, rng, batch, [precon, velocity])
-                if axis is not None:
-                    gram = jax.lax.pmean(gram, axis)
+                gram = curvature_gram([precon, velocity])
             norms = jnp.array(
                 [
                     [sq_norm(precon), _tree_dot(precon, velocity)],
@@ -1006,6 +1022,34 @@ class Optimizer:
         if new_func_state is not None and axis is not None:
             new_func_state = jax.lax.pmean(new_func_state, axis)
         return state._replace(estimator_state=est_state), new_func_state
+
+
+def _gram_upper(losses, jvp, vectors, mask) -> jax.Array:
+    """The upper triangle (row-major) of ``sum_b (J v_i)_b^T H_b (J v_j)_b``."""
+    tangents = [jvp(v) for v in vectors]
+    k = len(vectors)
+    rows = []
+    for i in range(k):
+        for j in range(i, k):
+            total = jnp.zeros(())
+            for loss, ti, tj in zip(losses, tangents[i], tangents[j], strict=True):
+                prod = ti * loss.multiply_ggn(tj)
+                if mask is not None:
+                    prod = prod * mask.reshape((-1,) + (1,) * (prod.ndim - 1)).astype(prod.dtype)
+                total = total + jnp.sum(prod)
+            rows.append(total)
+    return jnp.stack(rows)
+
+
+def _symmetric(upper: jax.Array, k: int) -> jax.Array:
+    """The symmetric ``[k, k]`` matrix of a row-major upper triangle."""
+    gram = jnp.zeros((k, k), upper.dtype)
+    index = 0
+    for i in range(k):
+        for j in range(i, k):
+            gram = gram.at[i, j].set(upper[index]).at[j, i].set(upper[index])
+            index += 1
+    return gram
 
 
 def _add_weighted(total: Any, weight: jax.Array, value: Any) -> Any:
