@@ -50,7 +50,32 @@ def _memory(compiled) -> int | None:
         return None
 
 
+def _time_step(step, params, state, batch, steps, warmup, with_rng: bool) -> dict:
+    """Compiles ``step(params, state, [rng,] batch)`` and times ``steps`` calls after
+    ``warmup`` (each step's outputs feed the next). ``amortised_s`` is the mean
+    over all timed steps (a whole number of inverse-refresh periods)."""
+    extra = (jax.random.key(0),) if with_rng else ()
+    lowered = jax.jit(step).lower(params, state, *extra, batch)
+    t0 = time.perf_counter()
+    compiled = lowered.compile()
+    compile_s = time.perf_counter() - t0
+    times = []
+    for i in range(warmup + steps):
+        extra = (jax.random.key(i),) if with_rng else ()
+        t0 = time.perf_counter()
+        params, state, _ = _block(compiled(params, state, *extra, batch))
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return dict(
+        median_s=statistics.median(times),
+        amortised_s=float(np.mean(times)),
+        compile_s=compile_s,
+        memory_bytes=_memory(compiled),
+    )
+
+
 def time_kfac(params, images, batch_size, fraction, period, steps, warmup):
+    """Step times of kfacx.Optimizer (adaptive lr, momentum and damping)."""
     args = argparse.Namespace(
         initial_damping=1.0,
         inverse_update_period=period,
@@ -60,30 +85,12 @@ def time_kfac(params, images, batch_size, fraction, period, steps, warmup):
     opt = ae.make_kfac(args)
     batch = images[:batch_size]
     state = opt.init(params, jax.random.key(0), batch)
-    lowered = jax.jit(opt.unstaged_step).lower(params, state, jax.random.key(0), batch)
-    t0 = time.perf_counter()
-    compiled = lowered.compile()
-    compile_s = time.perf_counter() - t0
-    times = []
-    p = params
-    for i in range(warmup + steps):
-        t0 = time.perf_counter()
-        p, state, _ = _block(compiled(p, state, jax.random.key(i), batch))
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    # Amortised: whole refresh periods (warm-up is a whole number of periods).
-    whole = (len(times) // period) * period
-    return dict(
-        median_s=statistics.median(times),
-        amortised_s=float(np.mean(times[:whole])) if whole else float(np.mean(times)),
-        compile_s=compile_s,
-        memory_bytes=_memory(compiled),
-    )
+    return _time_step(opt.unstaged_step, params, state, batch, steps, warmup, with_rng=True)
 
 
 def time_optax(tx, params, images, batch_size, steps, warmup):
+    """Step times of an optax optimizer (with the same L2 regularisation)."""
     tx = optax.chain(optax.add_decayed_weights(ae.L2_REG), tx)
-    state = tx.init(params)
 
     def step(params, state, batch):
         loss, grads = jax.value_and_grad(ae.loss_fn)(params, batch)
@@ -91,24 +98,7 @@ def time_optax(tx, params, images, batch_size, steps, warmup):
         return optax.apply_updates(params, updates), state, loss
 
     batch = images[:batch_size]
-    lowered = jax.jit(step).lower(params, state, batch)
-    t0 = time.perf_counter()
-    compiled = lowered.compile()
-    compile_s = time.perf_counter() - t0
-    times = []
-    p = params
-    for i in range(warmup + steps):
-        t0 = time.perf_counter()
-        p, state, _ = _block(compiled(p, state, batch))
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    mean = float(np.mean(times))
-    return dict(
-        median_s=statistics.median(times),
-        amortised_s=mean,
-        compile_s=compile_s,
-        memory_bytes=_memory(compiled),
-    )
+    return _time_step(step, params, tx.init(params), batch, steps, warmup, with_rng=False)
 
 
 def main(argv=None) -> dict:
