@@ -60,14 +60,8 @@ def loss_fn(params, images):
 
 def batches(images: np.ndarray, batch_size: int, steps: int, seed: int = 0):
     """The same sequence of batches for every optimizer (reshuffled every epoch)."""
-    rng = np.random.default_rng(seed)
-    per_epoch = len(images) // batch_size
-    order = rng.permutation(len(images))
-    for step in range(steps):
-        if step and step % per_epoch == 0:
-            order = rng.permutation(len(images))
-        i = step % per_epoch
-        yield images[order[i * batch_size : (i + 1) * batch_size]]
+    for index in common.batch_order(len(images), batch_size, steps, seed):
+        yield images[index]
 
 
 def make_kfac(args) -> kfacx.Optimizer:

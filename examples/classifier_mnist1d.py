@@ -28,7 +28,6 @@ import time
 import haiku as hk
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 import kfacx
@@ -59,22 +58,7 @@ def loss_fn(params, batch):
 @jax.jit
 def evaluate(params, x, labels):
     """Mean loss and accuracy on a whole split."""
-    logits = net.apply(params, x)
-    loss = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, labels))
-    return loss, jnp.mean(jnp.argmax(logits, -1) == labels)
-
-
-def batch_order(n: int, batch_size: int, steps: int, seed: int) -> list[np.ndarray]:
-    """Indices of every step's batch: epochs of a seeded permutation (remainder dropped)."""
-    if batch_size > n:
-        raise ValueError(f"--batch-size {batch_size} exceeds the {n} training examples.")
-    rng = np.random.default_rng(seed)
-    per_epoch = n // batch_size
-    out: list[np.ndarray] = []
-    while len(out) < steps:
-        perm = rng.permutation(n)
-        out.extend(perm[i * batch_size : (i + 1) * batch_size] for i in range(per_epoch))
-    return out[:steps]
+    return common.classification_metrics(net.apply(params, x), labels)
 
 
 def check_report(report) -> str:
@@ -184,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--steps and --batch-size must be positive")
 
     train, test = datasets.mnist1d()
-    order = batch_order(len(train[0]), args.batch_size, args.steps, args.seed)
+    order = common.batch_order(len(train[0]), args.batch_size, args.steps, args.seed)
     params = net.init(jax.random.key(args.seed), train[0][:1])
     n_params = sum(p.size for p in jax.tree_util.tree_leaves(params))
     print(

@@ -42,6 +42,31 @@ class Curve:
         return float(self.seconds[hits[0]]) if hits.size else None
 
 
+def batch_order(n: int, batch_size: int, steps: int, seed: int) -> list[np.ndarray]:
+    """Indices of every step's batch: epochs of a seeded permutation (remainder dropped).
+
+    Every optimizer of an example gets the same batches in the same order.
+    """
+    if batch_size > n:
+        raise ValueError(f"--batch-size {batch_size} exceeds the {n} training examples.")
+    rng = np.random.default_rng(seed)
+    per_epoch = n // batch_size
+    out: list[np.ndarray] = []
+    while len(out) < steps:
+        perm = rng.permutation(n)
+        out.extend(perm[i * batch_size : (i + 1) * batch_size] for i in range(per_epoch))
+    return out[:steps]
+
+
+def classification_metrics(logits, labels):
+    """Mean softmax cross-entropy and accuracy of ``logits`` for integer ``labels``."""
+    import jax.numpy as jnp
+    import optax
+
+    loss = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, labels))
+    return loss, jnp.mean(jnp.argmax(logits, -1) == labels)
+
+
 def progress(iterable: Iterable, description: str, enabled: bool = True):
     """A tqdm progress bar (``bar.set_postfix(loss=...)`` shows the live loss)."""
     from tqdm.auto import tqdm

@@ -73,22 +73,7 @@ def loss_fn(params, batch):
 @jax.jit
 def evaluate(params, x, labels):
     """Mean loss and accuracy on a whole split."""
-    logits = model.apply(params, x)
-    loss = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, labels))
-    return loss, jnp.mean(jnp.argmax(logits, -1) == labels)
-
-
-def batch_order(n: int, batch_size: int, steps: int, seed: int) -> list[np.ndarray]:
-    """Indices of every step's batch: epochs of a seeded permutation (remainder dropped)."""
-    if batch_size > n:
-        raise ValueError(f"--batch-size {batch_size} exceeds the {n} training examples.")
-    rng = np.random.default_rng(seed)
-    per_epoch = n // batch_size
-    out: list[np.ndarray] = []
-    while len(out) < steps:
-        perm = rng.permutation(n)
-        out.extend(perm[i * batch_size : (i + 1) * batch_size] for i in range(per_epoch))
-    return out[:steps]
+    return common.classification_metrics(model.apply(params, x), labels)
 
 
 def split(batch, k: int) -> list:
@@ -240,7 +225,9 @@ def main(argv: list[str] | None = None) -> None:
 
     train_data, test_data = datasets.digits()
     x, y = train_data
-    batches = [(x[i], y[i]) for i in batch_order(len(x), args.batch_size, args.steps, args.seed)]
+    batches = [
+        (x[i], y[i]) for i in common.batch_order(len(x), args.batch_size, args.steps, args.seed)
+    ]
     params = model.init(jax.random.key(args.seed), x[:1])
     n_params = sum(p.size for p in jax.tree_util.tree_leaves(params))
     print(
