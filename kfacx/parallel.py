@@ -16,12 +16,25 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def replicate_all_local_devices(tree: Any) -> Any:
-    """Adds a leading axis with one copy of every leaf per local device."""
+    """Adds a leading axis with one copy of every leaf per local device.
+
+    Leaves are copied through the host, so arrays that came out of a `jax.pmap`
+    (e.g. `get_first` of a step's output) can be replicated again.
+    """
     n = jax.local_device_count()
-    return jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *jnp.shape(x))), tree)
+
+    def replicate(x):
+        if jnp.issubdtype(jnp.result_type(x), jax.dtypes.prng_key):
+            data = replicate(jax.random.key_data(x))
+            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+        host = np.asarray(jax.device_get(x))
+        return np.broadcast_to(host, (n, *host.shape))
+
+    return jax.tree.map(replicate, tree)
 
 
 def make_different_rng_key_on_all_devices(rng: jax.Array) -> jax.Array:

@@ -665,3 +665,16 @@ def test_curvature_batch_fraction_estimates_on_the_leading_examples_only():
     )
     with pytest.raises(ValueError, match="curvature_batch_fraction"):
         kfacx.CurvatureConfig(curvature_batch_fraction=0.0)
+
+
+def test_replicate_accepts_pmap_outputs_and_keys():
+    step = jax.pmap(lambda x, k: (2 * x, jax.random.normal(k, ())), axis_name="i")
+    x = kfacx.parallel.replicate_all_local_devices(jnp.ones(3))
+    keys = kfacx.parallel.replicate_all_local_devices(jax.random.key(0))
+    y, r = step(x, keys)
+    np.testing.assert_array_equal(r, r[0])  # the same key on every device
+    again = kfacx.parallel.replicate_all_local_devices(kfacx.parallel.get_first(y))
+    np.testing.assert_array_equal(step(again, keys)[0], 4 * np.ones((jax.local_device_count(), 3)))
+    different = kfacx.parallel.make_different_rng_key_on_all_devices(jax.random.key(0))
+    r = step(x, different)[1]
+    assert len(set(np.asarray(r).tolist())) == jax.local_device_count()
