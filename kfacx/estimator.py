@@ -358,8 +358,7 @@ class BlockDiagonalCurvature:
         has_aux: bool = False,
         estimation_mode: str | None = None,
         example_mask: jax.Array | None = None,
-        return_jvp: bool = False,
-    ) -> tuple:
+    ) -> tuple[Any, Any, CurvatureStats]:
         """The loss, its gradient and the curvature statistics, from one forward pass.
 
         Args:
@@ -373,25 +372,19 @@ class BlockDiagonalCurvature:
             to the statistics, which average over the real examples only. The
             loss itself must mask them too (e.g. ``register_*_loss(..., mask=m)``
             and a loss normalised by ``m.sum()``).
-          return_jvp: also return ``(losses, jvp)`` — the registered losses and
-            ``jvp(params_tangent)``, the tangents of their predictions — from the
-            same forward pass (for exact curvature-vector products).
 
         Returns:
           ``(value, grads, stats)``: ``func``'s output, the gradient of the
           loss with respect to the parameters, and a `CurvatureStats` to pass to
-          `update_curvature_estimate_from_stats` (or to `kfacx.scale_by_kfac`);
-          with ``return_jvp``, ``(losses, jvp)`` is appended.
+          `update_curvature_estimate_from_stats` (or to `kfacx.scale_by_kfac`).
         """
         mode = _check_mode(estimation_mode or self.default_estimation_mode)
         self._set_up(func_args)
         func = self.tagged_func(func_args)
-        value, grads, losses, vjp, *jvp = tracer.value_and_grad_and_layer_tags_vjp(
-            func, func_args, self.params_index, has_aux, return_jvp
+        value, grads, losses, vjp = tracer.value_and_grad_and_layer_tags_vjp(
+            func, func_args, self.params_index, has_aux
         )
         stats = self._stats(losses, vjp, mode, rng, None, example_mask)
-        if return_jvp:
-            return value, grads, stats, (losses, jvp[0])
         return value, grads, stats
 
     def _stats(self, losses, vjp, mode, rng, batch_size, example_mask) -> CurvatureStats:

@@ -496,8 +496,7 @@ def value_and_grad_and_layer_tags_vjp(
     func_args: Sequence[Any],
     params_index: int = 0,
     has_aux: bool = False,
-    return_jvp: bool = False,
-) -> tuple:
+) -> tuple[Any, Any, tuple[losses.LossFunction, ...], LayerTagsVjp]:
     """One forward pass for the loss value, its gradient and the layer statistics.
 
     Args:
@@ -506,14 +505,11 @@ def value_and_grad_and_layer_tags_vjp(
       func_args: its positional arguments.
       params_index: the position of the parameters among ``func_args``.
       has_aux: whether ``func`` returns ``(loss, aux)``.
-      return_jvp: also return ``jvp(params_tangent)``, the tangents of the loss
-        predictions (as `loss_tags_jvp`), from the same forward pass.
 
     Returns:
       ``(value, grads, losses, vjp)``: ``func``'s output, the gradient of the
-      loss with respect to the parameters, and what `layer_tags_vjp` returns;
-      with ``return_jvp``, ``jvp`` is appended. Both backward passes (and the
-      forward-mode products) share the forward pass.
+      loss with respect to the parameters, and what `layer_tags_vjp` returns.
+      Both backward passes share the forward pass.
 
     Raises:
       ValueError: as `trace`, or if the loss is not a scalar.
@@ -534,16 +530,9 @@ def value_and_grad_and_layer_tags_vjp(
             )
         return (loss, predictions), (records, loss_operands, value)
 
-    param_leaves, zeros = list(flat_args[start:stop]), _zero_perturbations(traced)
-    if return_jvp:
-        (loss, predictions), linear, (records, loss_operands, value) = jax.linearize(
-            forward, param_leaves, zeros, has_aux=True
-        )
-        vjp_fn = jax.linear_transpose(linear, param_leaves, zeros)
-    else:
-        (loss, predictions), vjp_fn, (records, loss_operands, value) = jax.vjp(
-            forward, param_leaves, zeros, has_aux=True
-        )
+    (loss, predictions), vjp_fn, (records, loss_operands, value) = jax.vjp(
+        forward, list(flat_args[start:stop]), _zero_perturbations(traced), has_aux=True
+    )
     zero_predictions = tuple(jnp.zeros_like(p) for p in predictions)
     grad_leaves, _ = vjp_fn((jnp.ones_like(loss), zero_predictions))
     grads = jax.tree_util.tree_unflatten(traced.params_tree, grad_leaves)
@@ -552,14 +541,7 @@ def value_and_grad_and_layer_tags_vjp(
         return vjp_fn((jnp.zeros_like(loss), tuple(cotangents)))[1]
 
     vjp = LayerTagsVjp(tangents, records, traced.use_to_layer, _use_scans(traced))
-    loss_fns = _make_losses(loss_operands, predictions)
-    if not return_jvp:
-        return value, grads, loss_fns, vjp
-
-    def jvp(params_tangent):
-        return linear(jax.tree_util.tree_leaves(params_tangent), zeros)[1]
-
-    return value, grads, loss_fns, vjp, jvp
+    return value, grads, _make_losses(loss_operands, predictions), vjp
 
 
 def _predictions_of_params(traced: TracedFunction, func_args: Sequence[Any]):
