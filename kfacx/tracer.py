@@ -392,7 +392,14 @@ class LayerTagsVjp:
     ) -> tuple[dict, ...]:
         """As `__call__`, for cotangents with a leading samples axis; every
         ``outputs_tangent`` then has that leading axis too."""
-        tangents = jax.vmap(self.tangents)(tuple(loss_cotangents))
+        loss_cotangents = tuple(loss_cotangents)
+        if all(c.shape[0] == 1 for c in loss_cotangents):
+            # One sample: a plain backward pass (a vmap of size 1 turns every matmul
+            # into a batched one, which is much slower on CPU).
+            single = self.tangents(tuple(c[0] for c in loss_cotangents))
+            tangents = jax.tree_util.tree_map(lambda t: t[None], single)
+        else:
+            tangents = jax.vmap(self.tangents)(loss_cotangents)
         return self._data(tangents, 1, example_mask)
 
 

@@ -191,9 +191,14 @@ def _with_ones(rows: jax.Array) -> jax.Array:
     return jnp.concatenate([rows, jnp.ones(rows.shape[:-1] + (1,), rows.dtype)], axis=-1)
 
 
-def _second_moment(rows: jax.Array, normalizer: Any) -> jax.Array:
-    """``sum_r rows[r, g]^T rows[r, g] / normalizer`` for rows ``[R, G, n]``."""
-    return jnp.einsum("rgi,rgj->gij", rows, rows) / normalizer
+def _second_moment(rows: jax.Array, normalizer: Any, weighted: jax.Array | None = None):
+    """``sum_r weighted[r, g]^T rows[r, g] / normalizer`` for rows ``[R, G, n]``
+    (``weighted`` defaults to ``rows``)."""
+    weighted = rows if weighted is None else weighted
+    if rows.shape[1] == 1:
+        # One group: a plain matmul (a batched one with a batch of 1 is slower on CPU).
+        return (weighted[:, 0].T @ rows[:, 0])[None] / normalizer
+    return jnp.einsum("rgi,rgj->gij", weighted, rows) / normalizer
 
 
 def _input_second_moment(rows: jax.Array, estimation_data) -> jax.Array:
@@ -202,9 +207,8 @@ def _input_second_moment(rows: jax.Array, estimation_data) -> jax.Array:
     if mask is None:
         return _second_moment(rows, rows.shape[0])
     mask = mask.astype(rows.dtype)
-    weighted = rows * mask[:, None, None]
     total = jnp.maximum(jnp.sum(mask), 1.0)
-    return jnp.einsum("rgi,rgj->gij", weighted, rows) / total
+    return _second_moment(rows, total, rows * mask[:, None, None])
 
 
 def _strip_leading_ones(shape: Sequence[int]) -> tuple[int, ...]:
