@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
@@ -33,228 +33,22 @@ import jax.numpy as jnp
 import numpy as np
 
 from kfacx import tracer
+from kfacx._configs import (
+    CONFIGS,
+    FLAT_NAMES,
+    KFAC_JAX_ONLY,
+    BatchConfig,
+    CurvatureConfig,
+    DampingConfig,
+    LearningRateConfig,
+    Schedule,
+)
 from kfacx.estimator import (
-    ESTIMATION_MODES,
     BlockDiagonalCurvature,
     CurvatureStats,
     EstimatorState,
     weighted_mean_stats,
 )
-
-Schedule = Callable[[jax.Array], Any]
-
-
-# ----------------------------------------------------------------------------- configs
-
-
-@dataclasses.dataclass(frozen=True)
-class CurvatureConfig:
-    """How the curvature is estimated and inverted.
-
-    Attributes:
-      estimation_mode: one of `kfacx.ESTIMATION_MODES`.
-      curvature_ema: weight of the old moving average of the factors.
-      curvature_update_period: update the factors every this many steps.
-      inverse_update_period: refresh the cached damped inverses every this many steps.
-      use_exact_inverses: invert the damped Kronecker products exactly (from
-        eigendecompositions) instead of with factored "pi" damping.
-      num_estimator_samples: sampled cotangents per example in the sampling modes.
-      num_burnin_steps: curvature-only updates before the first step.
-      curvature_batch_fraction: estimate the curvature — the factor statistics
-        and the exact curvature products of the quadratic model — on this
-        leading fraction of each (micro-)batch only; the loss and the gradient
-        always use all of it. E.g. 1/8 as in Martens & Grosse (2015). With 1 the
-        loss, gradient and statistics share one forward pass.
-      layer_tag_to_block_ctor: block classes per tag name (see
-        `kfacx.BlockDiagonalCurvature`).
-      auto_register_kwargs: arguments of `kfacx.auto_register_tags`.
-      auto_register_tags: find layers automatically (False: hand-tagged only).
-    """
-
-    estimation_mode: str = "fisher_gradients"
-    curvature_ema: float = 0.95
-    curvature_update_period: int = 1
-    inverse_update_period: int = 5
-    use_exact_inverses: bool = False
-    num_estimator_samples: int = 1
-    num_burnin_steps: int = 10
-    curvature_batch_fraction: float = 1.0
-    layer_tag_to_block_ctor: Mapping[str, Callable[..., Any]] | None = None
-    auto_register_kwargs: Mapping[str, Any] | None = None
-    auto_register_tags: bool = True
-
-    def __post_init__(self):
-        if self.estimation_mode not in ESTIMATION_MODES:
-            raise ValueError(
-                f"estimation_mode={self.estimation_mode!r}; choose one of {ESTIMATION_MODES}."
-            )
-        if not 0.0 <= self.curvature_ema < 1.0:
-            raise ValueError(f"curvature_ema must be in [0, 1), got {self.curvature_ema}.")
-        for name in ("curvature_update_period", "inverse_update_period", "num_estimator_samples"):
-            _check_int(getattr(self, name), name, minimum=1)
-        _check_int(self.num_burnin_steps, "num_burnin_steps", minimum=0)
-        if not 0.0 < self.curvature_batch_fraction <= 1.0:
-            raise ValueError(
-                f"curvature_batch_fraction must be in (0, 1], got {self.curvature_batch_fraction}."
-            )
-
-
-@dataclasses.dataclass(frozen=True)
-class LearningRateConfig:
-    """Learning rate and momentum: fixed, scheduled, or solved on the quadratic model.
-
-    Attributes:
-      use_adaptive_learning_rate: choose the learning rate each step by
-        minimising the damped quadratic model of the loss.
-      learning_rate_schedule: a number or ``global_step -> learning_rate``;
-        None means it is passed to `Optimizer.step` (unless adaptive).
-      use_adaptive_momentum: also choose the momentum on the quadratic model
-        (needs the adaptive learning rate).
-      momentum_schedule: a number or ``global_step -> momentum``; None means 0
-        unless passed to `Optimizer.step` or adaptive.
-      norm_constraint: if given, scale the preconditioned gradient ``p`` so that
-        the step's squared length in the curvature metric,
-        ``learning_rate**2 * p^T (C + damping I) p`` (``= learning_rate**2 *
-        p^T g`` before scaling), is at most ``norm_constraint`` (as kfac-jax;
-        not with an adaptive learning rate).
-    """
-
-    use_adaptive_learning_rate: bool = False
-    learning_rate_schedule: float | Schedule | None = None
-    use_adaptive_momentum: bool = False
-    momentum_schedule: float | Schedule | None = None
-    norm_constraint: float | None = None
-
-    def __post_init__(self):
-        if self.use_adaptive_momentum and not self.use_adaptive_learning_rate:
-            raise ValueError(
-                "use_adaptive_momentum=True needs use_adaptive_learning_rate=True (both are "
-                "solved together on the quadratic model)."
-            )
-        if self.use_adaptive_learning_rate and self.learning_rate_schedule is not None:
-            raise ValueError(
-                "Pass either use_adaptive_learning_rate=True or a learning_rate_schedule, not both."
-            )
-        if self.use_adaptive_momentum and self.momentum_schedule is not None:
-            raise ValueError(
-                "Pass either use_adaptive_momentum=True or a momentum_schedule, not both."
-            )
-        if self.norm_constraint is not None:
-            if self.use_adaptive_learning_rate:
-                raise ValueError("norm_constraint cannot be used with an adaptive learning rate.")
-            if not float(self.norm_constraint) > 0:
-                raise ValueError(f"norm_constraint must be positive, got {self.norm_constraint}.")
-
-
-@dataclasses.dataclass(frozen=True)
-class DampingConfig:
-    """Damping: fixed, scheduled, or adapted by the Levenberg-Marquardt rule.
-
-    Attributes:
-      use_adaptive_damping: adapt the damping from the reduction ratio
-        ``rho = (actual loss change) / (quadratic-model change)``.
-      initial_damping: the starting (adaptive) or constant damping.
-      damping_schedule: ``global_step -> damping`` (not with adaptive damping).
-      min_damping, max_damping: bounds of the adapted damping.
-      damping_adaptation_interval: adapt every this many steps.
-      damping_adaptation_decay: per-step factor; the damping is multiplied by
-        ``decay**interval`` when ``rho > damping_upper_threshold`` and divided
-        by it when ``rho < damping_lower_threshold``.
-      include_damping_in_quad_change: whether the model change used for
-        ``rho`` includes the damping term.
-    """
-
-    use_adaptive_damping: bool = False
-    initial_damping: float | None = None
-    damping_schedule: float | Schedule | None = None
-    min_damping: float = 1e-8
-    max_damping: float = math.inf
-    damping_adaptation_interval: int = 5
-    damping_adaptation_decay: float = 0.9
-    damping_lower_threshold: float = 0.25
-    damping_upper_threshold: float = 0.75
-    include_damping_in_quad_change: bool = False
-
-    def __post_init__(self):
-        if self.use_adaptive_damping:
-            if self.initial_damping is None:
-                raise ValueError("use_adaptive_damping=True needs initial_damping.")
-            if self.damping_schedule is not None:
-                raise ValueError("Pass either use_adaptive_damping=True or a damping_schedule.")
-        if self.initial_damping is not None and not float(self.initial_damping) > 0:
-            raise ValueError(f"initial_damping must be positive, got {self.initial_damping}.")
-        if not 0 <= self.min_damping <= self.max_damping:
-            raise ValueError(
-                f"Need 0 <= min_damping <= max_damping, got {self.min_damping}, {self.max_damping}."
-            )
-        _check_int(self.damping_adaptation_interval, "damping_adaptation_interval", minimum=1)
-        if not 0 < self.damping_adaptation_decay < 1:
-            raise ValueError(
-                f"damping_adaptation_decay must be in (0, 1), got {self.damping_adaptation_decay}."
-            )
-        if not self.damping_lower_threshold < self.damping_upper_threshold:
-            raise ValueError("damping_lower_threshold must be below damping_upper_threshold.")
-
-
-@dataclasses.dataclass(frozen=True)
-class BatchConfig:
-    """How a batch is processed.
-
-    Attributes:
-      num_microbatches: split the batch's leading axis into this many
-        micro-batches and accumulate loss, gradient and statistics over them
-        with `jax.lax.scan` (bounded memory for large batches; the result
-        equals the full batch).
-      example_mask_extractor: ``batch -> [batch_size]`` mask, 1 for real and 0
-        for padding examples (binary); they then contribute nothing to the gradient weighting, the
-        curvature or the quadratic model. The loss function must mask them too
-        (``register_*_loss(..., mask=m)`` and a loss normalised by ``m.sum()``).
-      batch_size_extractor: ``batch -> int``, the examples per batch (for
-        ``data_seen``); default: the leading dimension of the first leaf.
-    """
-
-    num_microbatches: int = 1
-    example_mask_extractor: Callable[[Any], jax.Array] | None = None
-    batch_size_extractor: Callable[[Any], int] | None = None
-
-    def __post_init__(self):
-        _check_int(self.num_microbatches, "num_microbatches", minimum=1)
-
-
-_CONFIGS = {
-    "curvature": CurvatureConfig,
-    "learning_rate": LearningRateConfig,
-    "damping": DampingConfig,
-    "batch": BatchConfig,
-}
-_FLAT_NAMES = {f.name: group for group, cls in _CONFIGS.items() for f in dataclasses.fields(cls)}
-
-
-# kfac-jax Optimizer arguments kfacx does not take, and why (a port gets this
-# instead of a generic "unknown argument").
-_KFAC_JAX_ONLY = {
-    "always_use_exact_qmodel_for_damping_adjustment": "the exact quadratic model is always used",
-    "include_norms_in_stats": "the norms are always in the stats",
-    "include_per_param_norms_in_stats": "not supported; compute them from the returned params",
-    "distributed_inverses": "not supported yet",
-    "distributed_precon_apply": "not supported yet",
-    "batch_process_func": "preprocess the batch before calling step",
-    "register_only_generic": "use auto_register_tags=False (and register layers by hand)",
-    "patterns_to_skip": "pass auto_register_kwargs=dict(graph_patterns=...) without them",
-    "forbid_setting_attributes_after_finalize": "kfacx optimizers have no finalize step",
-    "modifiable_attribute_exceptions": "kfacx optimizers have no finalize step",
-    "invalid_metric_value": "stats of skipped steps are reported as computed, with skipped=True",
-    "should_vmap_estimator_samples": "samples are always vmapped",
-    "norm_to_scale_identity_weight_per_block": "not supported",
-    "precon_power": "only the inverse (-1) is supported",
-    "damping_adaptation_interval_start": "not supported",
-}
-
-
-def _check_int(value: Any, name: str, minimum: int) -> None:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}.")
-
 
 # ----------------------------------------------------------------------------- state
 
@@ -375,22 +169,22 @@ class Optimizer:
             "batch": batch or BatchConfig(),
         }
         for group, value in configs.items():
-            if not isinstance(value, _CONFIGS[group]):
-                raise TypeError(f"{group} must be a {_CONFIGS[group].__name__}, got {value!r}.")
+            if not isinstance(value, CONFIGS[group]):
+                raise TypeError(f"{group} must be a {CONFIGS[group].__name__}, got {value!r}.")
         for name in kwargs:
-            if name in _KFAC_JAX_ONLY:
+            if name in KFAC_JAX_ONLY:
                 raise TypeError(
                     f"Optimizer: kfac-jax's argument {name!r} is not taken by kfacx: "
-                    f"{_KFAC_JAX_ONLY[name]}."
+                    f"{KFAC_JAX_ONLY[name]}."
                 )
-        unknown = sorted(set(kwargs) - set(_FLAT_NAMES))
+        unknown = sorted(set(kwargs) - set(FLAT_NAMES))
         if unknown:
             raise TypeError(
                 f"Optimizer got unknown arguments {unknown}. Known keyword options: "
-                f"{sorted(_FLAT_NAMES)}."
+                f"{sorted(FLAT_NAMES)}."
             )
-        for group in _CONFIGS:
-            fields = {k: v for k, v in kwargs.items() if _FLAT_NAMES[k] == group}
+        for group in CONFIGS:
+            fields = {k: v for k, v in kwargs.items() if FLAT_NAMES[k] == group}
             if fields:
                 configs[group] = dataclasses.replace(configs[group], **fields)
         self.curvature: CurvatureConfig = configs["curvature"]
