@@ -678,3 +678,18 @@ def test_replicate_accepts_pmap_outputs_and_keys():
     different = kfacx.parallel.make_different_rng_key_on_all_devices(jax.random.key(0))
     r = step(x, different)[1]
     assert len(set(np.asarray(r).tolist())) == jax.local_device_count()
+
+
+def test_non_scalar_loss_is_a_clear_error():
+    def vector_loss(params, batch):
+        x, y = batch
+        logits = x @ params["w1"] @ params["w2"]
+        kfacx.register_softmax_cross_entropy_loss(logits, y)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y)  # per example
+
+    params, batch = make_params(), make_batch()
+    params = {k: params[k] for k in ("w1", "w2")}
+    estimator = kfacx.BlockDiagonalCurvature(vector_loss)
+    estimator.init(jax.random.key(0), (params, batch))
+    with pytest.raises(ValueError, match="scalar float loss"):
+        estimator.value_grads_and_curvature_stats(jax.random.key(0), (params, batch))
