@@ -208,8 +208,10 @@ KFAC_JAX_ONLY = {
     "always_use_exact_qmodel_for_damping_adjustment": "the exact quadratic model is always used",
     "include_norms_in_stats": "the norms are always in the stats",
     "include_per_param_norms_in_stats": "not supported; compute them from the returned params",
-    "distributed_inverses": "not supported yet",
-    "distributed_precon_apply": "not supported yet",
+    "distributed_precon_apply": (
+        "every device applies the preconditioner (cheap next to the refresh, which is "
+        "distributed with distributed_inverses=True)"
+    ),
     "batch_process_func": "preprocess the batch before calling step",
     "register_only_generic": "use auto_register_tags=False (and register layers by hand)",
     "patterns_to_skip": "pass auto_register_kwargs=dict(graph_patterns=...) without them",

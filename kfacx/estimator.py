@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kfacx import _distributed, graph_matcher, tracer
 from kfacx import blocks as blocks_lib
-from kfacx import graph_matcher, tracer
 from kfacx.losses import LossFunction
 
 #: Estimation modes understood by `BlockDiagonalCurvature`.
@@ -456,20 +456,41 @@ class BlockDiagonalCurvature:
 
         return tuple(draw(loss, k) for loss, k in zip(losses, keys, strict=True))
 
-    def update_cache(self, state: EstimatorState, identity_weight: Any) -> EstimatorState:
+    def update_cache(
+        self, state: EstimatorState, identity_weight: Any, pmap_axis_name: str | None = None
+    ) -> EstimatorState:
         """Refreshes every block's cached inverses / eigendecompositions.
+
+        With ``pmap_axis_name`` (inside `jax.pmap` or `jax.shard_map`) the work
+        is distributed: each block is refreshed by one owner device, chosen by
+        cost (`block_owners`), and shared with the others by a ``psum``. The
+        result is bit-identical to the serial refresh.
 
         Raises:
           ValueError: if ``identity_weight`` is concrete and not positive.
         """
         self._require_set_up()
         _check_damping(identity_weight, "update_cache", allow_zero=False)
-        return EstimatorState(
-            tuple(
-                b.update_cache(s, identity_weight)
-                for b, s in zip(self._blocks, state.blocks, strict=True)
-            )
+        pairs = tuple(zip(self._blocks, state.blocks, strict=True))
+        num_devices = 1 if pmap_axis_name is None else jax.lax.axis_size(pmap_axis_name)
+        if num_devices == 1:
+            return EstimatorState(tuple(b.update_cache(s, identity_weight) for b, s in pairs))
+        caches = _distributed.owned_refresh(
+            [lambda b=b, s=s: b.update_cache(s, identity_weight).cache for b, s in pairs],
+            self.block_owners(num_devices),
+            pmap_axis_name,
         )
+        return EstimatorState(
+            tuple(s._replace(cache=c) for s, c in zip(state.blocks, caches, strict=True))
+        )
+
+    def block_owners(self, num_devices: int) -> tuple[int, ...]:
+        """The device (of ``num_devices``) that refreshes each block's cache in a
+        distributed `update_cache`: balanced by the blocks' refresh cost
+        (``n^3`` per ``n x n`` factor; see `kfacx._distributed`)."""
+        self._require_set_up()
+        costs = [_distributed.refresh_cost(b) for b in self._blocks]
+        return _distributed.assign_owners(costs, num_devices)
 
     # ---------------------------------------------------------------- products
 

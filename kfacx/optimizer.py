@@ -43,6 +43,7 @@ from kfacx._configs import (
     LearningRateConfig,
     Schedule,
 )
+from kfacx._placement import Placement
 from kfacx.estimator import (
     BlockDiagonalCurvature,
     CurvatureStats,
@@ -122,6 +123,17 @@ class Optimizer:
         `kfacx.parallel`); otherwise `step` is jit-compiled.
       pmap_axis_name: the device axis name used by `step` when
         ``multi_device`` (and by `unstaged_step` if you pmap it yourself).
+      distributed_inverses: with several devices, refresh each block's cached
+        inverse on one owner device (chosen by cost) and share it, instead of
+        on every device; the result is identical.
+      mesh: a `jax.sharding.Mesh`: `step` is jit-compiled with the batch
+        split over the mesh's data axis and the parameters and state
+        replicated on the mesh. Inputs are global arrays (one batch, one rng).
+      data_axis_name: the mesh axis the batch is split over (default: the
+        mesh's only axis).
+      use_shard_map: with ``mesh``, run the step as a `jax.shard_map` over
+        the data axis (each device sees its shard and the step averages over
+        the axis, as under pmap) instead of letting the compiler partition it.
       debug: do not compile `step` (for debugging with Python prints).
       **kwargs: any config field by its (kfac-jax) name, e.g.
         ``use_adaptive_damping=True, initial_damping=1.0``; overrides the configs.
@@ -155,6 +167,10 @@ class Optimizer:
         batch: BatchConfig | None = None,
         multi_device: bool = False,
         pmap_axis_name: str = "kfac_axis",
+        distributed_inverses: bool = True,
+        mesh: jax.sharding.Mesh | None = None,
+        data_axis_name: str | None = None,
+        use_shard_map: bool = False,
         debug: bool = False,
         **kwargs: Any,
     ):
@@ -198,6 +214,9 @@ class Optimizer:
         self.value_func_has_rng = value_func_has_rng
         self.multi_device = multi_device
         self.pmap_axis_name = pmap_axis_name
+        self.placement = Placement(
+            multi_device, pmap_axis_name, mesh, data_axis_name, use_shard_map, distributed_inverses
+        )
         self.debug = debug
         self._lr_schedule = _as_schedule(self.learning_rate.learning_rate_schedule)
         self._momentum_schedule = _as_schedule(self.learning_rate.momentum_schedule)
@@ -216,6 +235,7 @@ class Optimizer:
         )
         self._staged_step = None
         self._staged_burnin = None
+        self._is_set_up = False
         self._past_first_step = False
 
     # ---------------------------------------------------------------- function plumbing
@@ -285,17 +305,23 @@ class Optimizer:
         """
         self._check_func_state(func_state)
         self._past_first_step = False
-        if self.multi_device:
-            local = jax.tree.map(lambda x: x[0], (params, rng, batch, func_state))
-            self._set_up(*local)
-            return jax.pmap(self.unstaged_init, axis_name=self.pmap_axis_name)(
-                params, rng, batch, func_state
-            )
+        init = self.placement.stage_init(self.unstaged_init, self.debug)
         self._set_up(params, rng, batch, func_state)
-        return self.unstaged_init(params, rng, batch, func_state)
+        if not self.multi_device:
+            batch = self.placement.local_batch(batch)
+        return init(params, rng, batch, func_state)
 
     def _set_up(self, params, rng, batch, func_state):
+        """Traces the loss function on one step function's shapes (a device's)."""
+        if self.multi_device:
+            params, rng, batch, func_state = jax.tree.map(
+                lambda x: x[0], (params, rng, batch, func_state)
+            )
+        else:
+            self.placement.check_batch(batch)
+            batch = self.placement.local_batch(batch)
         self.estimator.set_up(self._func_args(params, func_state, rng, self._microbatch(batch)))
+        self._is_set_up = True
 
     def unstaged_init(self, params: Any, rng: jax.Array, batch: Any, func_state: Any = None):
         """`init` without staging (pure; for users who jit or pmap it themselves)."""
@@ -481,7 +507,7 @@ class Optimizer:
           ``(params, state, stats)``, or ``(params, state, func_state, stats)``
           with ``value_func_has_state``.
         """
-        axis = self.pmap_axis_name if self.multi_device else None
+        axis = self.placement.axis_name
         cfg, lr_cfg, damp_cfg = self.curvature, self.learning_rate, self.damping
         est = self.estimator
         step = state.step_counter
@@ -533,7 +559,7 @@ class Optimizer:
         )
         est_state = jax.lax.cond(
             step % cfg.inverse_update_period == 0,
-            lambda e: est.update_cache(e, identity_weight),
+            lambda e: self.placement.refresh(est.update_cache, e, identity_weight),
             lambda e: e,
             est_state,
         )
@@ -678,17 +704,9 @@ class Optimizer:
 
     def _stage(self):
         if self._staged_step is None:
-            fn = self.unstaged_step
-            if self.debug:
-                self._staged_step = fn
-            elif self.multi_device:
-                self._staged_step = jax.pmap(
-                    fn,
-                    axis_name=self.pmap_axis_name,
-                    in_axes=(0, 0, 0, 0, 0, None, None, None, None),
-                )
-            else:
-                self._staged_step = jax.jit(fn)
+            self._staged_step = self.placement.stage(
+                self.unstaged_step, 9, self.debug, has_aux=self.value_func_has_aux
+            )
         return self._staged_step
 
     def step(
@@ -729,6 +747,8 @@ class Optimizer:
         self._check_func_state(func_state)
         if (batch is None) == (data_iterator is None):
             raise ValueError("Pass exactly one of batch and data_iterator.")
+        if not self._is_set_up and batch is not None:  # E.g. resuming from a checkpoint.
+            self._set_up(params, rng, batch, func_state)
         if self.curvature.num_burnin_steps and self._first_step(state, global_step_int):
             source = data_iterator if data_iterator is not None else _repeat(batch)
             rng, burnin_rng = _split_key(rng, self.multi_device)
@@ -738,6 +758,9 @@ class Optimizer:
         if batch is None:
             batch = next(data_iterator)
         self._past_first_step = True
+        batch, params, state, rng, func_state = self.placement.put(
+            batch, params, state, rng, func_state
+        )
         return self._stage()(
             params, state, rng, batch, func_state, learning_rate, momentum, damping, global_step_int
         )
@@ -763,16 +786,13 @@ class Optimizer:
         parameters (done automatically before the first `step` when
         ``num_burnin_steps > 0``). Returns ``(state, func_state)``."""
         if self._staged_burnin is None:
-            fn = self._burnin_step
-            if self.debug:
-                self._staged_burnin = fn
-            elif self.multi_device:
-                self._staged_burnin = jax.pmap(fn, axis_name=self.pmap_axis_name)
-            else:
-                self._staged_burnin = jax.jit(fn)
+            self._staged_burnin = self.placement.stage(self._burnin_step, 5, self.debug)
         for i in range(num_steps):
             batch = next(data_iterator)
             step_rng = _fold_in(rng, i, self.multi_device)
+            batch, params, state, step_rng, func_state = self.placement.put(
+                batch, params, state, step_rng, func_state
+            )
             state, func_state = self._staged_burnin(params, state, step_rng, batch, func_state)
         return state, func_state
 
@@ -780,7 +800,7 @@ class Optimizer:
         _, _, stats, new_func_state, _ = self._value_grads_stats(
             params, func_state, rng, batch, True
         )
-        axis = self.pmap_axis_name if self.multi_device else None
+        axis = self.placement.axis_name
         ema = self.curvature.curvature_ema
         est_state = self.estimator.update_curvature_estimate_from_stats(
             state.estimator_state, stats, ema, 1.0 - ema, axis

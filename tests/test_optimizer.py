@@ -483,7 +483,10 @@ def test_flat_kwargs_fill_the_configs():
     ("kwargs", "error", "match"),
     [
         (dict(use_adaptive_dampening=True), TypeError, "unknown arguments"),
-        (dict(distributed_inverses=True), TypeError, "not supported yet"),
+        (dict(distributed_precon_apply=True), TypeError, "every device applies"),
+        (dict(mesh="data"), TypeError, "jax.sharding.Mesh"),
+        (dict(use_shard_map=True), ValueError, "needs a mesh"),
+        (dict(data_axis_name="data"), ValueError, "only used with mesh"),
         (dict(register_only_generic=True), TypeError, "auto_register_tags=False"),
         (dict(use_adaptive_momentum=True), ValueError, "use_adaptive_learning_rate"),
         (dict(use_adaptive_damping=True), ValueError, "initial_damping"),

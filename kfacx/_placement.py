@@ -1,0 +1,217 @@
+"""Where `kfacx.Optimizer`'s step runs: one device, `jax.pmap`, or a device mesh.
+
+Four placements share one pure step function (`Optimizer.unstaged_step`):
+
+* ``single``: ``jax.jit`` on the default device;
+* ``pmap``: ``jax.pmap`` over the local devices (``multi_device=True``); inputs
+  carry a leading device axis (see `kfacx.parallel`);
+* ``mesh``: ``jax.jit`` with the batch sharded over the data axis of a
+  `jax.sharding.Mesh` and everything else replicated; the compiler partitions
+  the single-device program (GSPMD), and the inverse refresh runs in a
+  `jax.shard_map` over the data axis so that it can be distributed;
+* ``shard_map``: ``jax.jit`` of a `jax.shard_map` over the data axis; the step
+  sees its device's shard of the batch and averages explicitly over the axis,
+  exactly like the pmapped step.
+
+In the mesh placements inputs are global arrays: the batch's leading axis is
+the global batch, and one rng key serves all devices (``shard_map`` folds the
+device index into it, so devices draw different samples). Multi-host runs
+use the same code after `jax.distributed.initialize`, with a mesh over all
+processes' devices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+_P = PartitionSpec
+
+
+class Placement:
+    """How the optimizer stages its step and where its inputs live.
+
+    Raises:
+      TypeError: if ``mesh`` is not a `jax.sharding.Mesh`.
+      ValueError: for inconsistent options (both ``multi_device`` and ``mesh``,
+        ``use_shard_map`` without a mesh, an unknown or ambiguous data axis).
+    """
+
+    def __init__(
+        self,
+        multi_device: bool,
+        pmap_axis_name: str,
+        mesh: Mesh | None,
+        data_axis_name: str | None,
+        use_shard_map: bool,
+        distributed_inverses: bool,
+    ):
+        if mesh is not None and not isinstance(mesh, Mesh):
+            raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
+        if mesh is not None and multi_device:
+            raise ValueError(
+                "Pass either multi_device=True (jax.pmap) or mesh= (sharded jax.jit), not both."
+            )
+        if use_shard_map and mesh is None:
+            raise ValueError("use_shard_map=True needs a mesh= whose data axis to map over.")
+        if mesh is None and data_axis_name is not None:
+            raise ValueError("data_axis_name is only used with mesh=.")
+        if mesh is not None:
+            names = tuple(mesh.axis_names)
+            if data_axis_name is None:
+                if len(names) != 1:
+                    raise ValueError(
+                        f"The mesh has axes {names}; pass data_axis_name= to say which one "
+                        "the batch is split over."
+                    )
+                data_axis_name = names[0]
+            if data_axis_name not in names:
+                raise ValueError(
+                    f"data_axis_name={data_axis_name!r} is not an axis of the mesh {names}."
+                )
+            # The step is partitioned by the compiler (or by shard_map), so the
+            # mesh's axes are used as Auto axes: with Explicit axes (the default of
+            # `jax.make_mesh`) every op of the user's model would need sharding rules.
+            mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(names))
+        self.mesh = mesh
+        self.data_axis_name = data_axis_name
+        self.distributed_inverses = distributed_inverses
+        if multi_device:
+            self.kind, self.axis_name = "pmap", pmap_axis_name
+        elif mesh is None:
+            self.kind, self.axis_name = "single", None
+        elif use_shard_map:
+            self.kind, self.axis_name = "shard_map", data_axis_name
+        else:
+            self.kind, self.axis_name = "mesh", None
+
+    # ---------------------------------------------------------------- sizes
+
+    @property
+    def num_shards(self) -> int:
+        """Devices the batch is split over in the mesh placements (1 otherwise)."""
+        if self.mesh is None:
+            return 1
+        return int(self.mesh.shape[self.data_axis_name])
+
+    def check_batch(self, batch: Any) -> None:
+        """Raises a ValueError if the mesh's data axis does not divide the batch."""
+        n = self.num_shards
+        for leaf in jax.tree.leaves(batch):
+            size = jax.numpy.shape(leaf)[0] if jax.numpy.ndim(leaf) else None
+            if size is None or size % n:
+                raise ValueError(
+                    f"The batch's leading dimension ({size}) must be divisible by the {n} "
+                    f"devices of the mesh axis {self.data_axis_name!r}."
+                )
+
+    def local_batch(self, batch: Any) -> Any:
+        """A batch with the shapes one step function sees (the device's shard
+        under ``shard_map``; the whole batch otherwise)."""
+        if self.kind != "shard_map":
+            return batch
+        self.check_batch(batch)
+        n = self.num_shards
+        return jax.tree.map(lambda x: x[: jax.numpy.shape(x)[0] // n], batch)
+
+    # ---------------------------------------------------------------- data placement
+
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, _P())
+
+    def put(self, batch: Any, *replicated: Any) -> tuple[Any, ...]:
+        """Moves inputs onto the mesh: the batch split over the data axis, the
+        rest replicated (no copy when they already are)."""
+        if self.mesh is None:
+            return (batch, *replicated)
+        self.check_batch(batch)
+        data = NamedSharding(self.mesh, _P(self.data_axis_name))
+        rep = self.replicated()
+        return (jax.device_put(batch, data), *(jax.device_put(x, rep) for x in replicated))
+
+    # ---------------------------------------------------------------- staging
+
+    def stage_init(self, fn: Callable[..., Any], debug: bool) -> Callable[..., Any]:
+        """``fn(params, rng, batch, func_state) -> state``, staged for this placement."""
+        if debug:
+            return fn
+        if self.kind == "pmap":
+            return jax.pmap(fn, axis_name=self.axis_name)
+        if self.mesh is None:
+            return fn
+        return jax.jit(fn, out_shardings=self.replicated())
+
+    def stage(
+        self, fn: Callable[..., Any], num_args: int, debug: bool, has_aux: bool = False
+    ) -> Callable[..., Any]:
+        """Stages ``fn(params, state, rng, batch, func_state, *options)``.
+
+        The first five arguments are per device under ``pmap`` (the batch is
+        split over the data axis in the mesh placements); the remaining
+        ``num_args - 5`` options are shared. With ``has_aux`` the last output
+        is the stats dict, whose ``"aux"`` entry is per device: under
+        ``shard_map`` it comes back with a leading device axis, as from pmap.
+        """
+        if debug and self.kind in ("single", "pmap"):
+            return fn
+        if self.kind == "single":
+            return jax.jit(fn)
+        if self.kind == "pmap":
+            in_axes = (0,) * 5 + (None,) * (num_args - 5)
+            return jax.pmap(fn, axis_name=self.axis_name, in_axes=in_axes)
+        if self.kind == "mesh":
+            return fn if debug else jax.jit(fn, out_shardings=self.replicated())
+        axis = self.axis_name
+
+        def local(*args):
+            args = list(args)
+            args[2] = jax.random.fold_in(args[2], jax.lax.axis_index(axis))
+            out = fn(*args)
+            if not has_aux or "aux" not in out[-1]:
+                return out, None
+            stats = dict(out[-1])
+            aux = jax.tree.map(lambda x: x[None], stats.pop("aux"))
+            return (*out[:-1], stats), aux
+
+        in_specs = (_P(), _P(), _P(), _P(axis)) + (_P(),) * (num_args - 4)
+        # check_vma=False: the step re-evaluates the traced loss function's jaxpr
+        # primitive by primitive, which mixes device-varying and replicated
+        # operands without `pvary` (as under pmap). Outputs declared replicated
+        # are: everything returned is averaged over the axis first.
+        mapped = jax.shard_map(
+            local, mesh=self.mesh, in_specs=in_specs, out_specs=(_P(), _P(axis)), check_vma=False
+        )
+
+        def staged(*args):
+            out, aux = mapped(*args)
+            if aux is None:
+                return out
+            return (*out[:-1], {**out[-1], "aux": aux})
+
+        return staged if debug else jax.jit(staged)
+
+    # ---------------------------------------------------------------- distributed refresh
+
+    def refresh(
+        self, update_cache: Callable[..., Any], est_state: Any, identity_weight: Any
+    ) -> Any:
+        """``update_cache(est_state, identity_weight, pmap_axis_name)``, distributed
+        over the devices when ``distributed_inverses`` and there are several."""
+        if not self.distributed_inverses or self.kind == "single":
+            return update_cache(est_state, identity_weight, None)
+        if self.axis_name is not None:
+            return update_cache(est_state, identity_weight, self.axis_name)
+        # Sharded jit: a shard_map over the data axis just for the refresh.
+        axis = self.data_axis_name
+        mapped = jax.shard_map(
+            lambda e, w: update_cache(e, w, axis),
+            mesh=self.mesh,
+            in_specs=(_P(), _P()),
+            out_specs=_P(),
+            axis_names=frozenset({axis}),
+            check_vma=False,
+        )
+        return mapped(est_state, identity_weight)
