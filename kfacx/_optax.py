@@ -83,6 +83,7 @@ def scale_by_kfac(
     inverse_update_period: int = 5,
     use_exact_inverses: bool = False,
     pmap_axis_name: str | None = None,
+    distributed_inverses: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
     """Preconditions gradients with the damped inverse of the K-FAC curvature.
 
@@ -106,7 +107,10 @@ def scale_by_kfac(
         (the estimator must cache them: ``exact_powers_to_cache=(-1,)``)
         instead of factored "pi" damping.
       pmap_axis_name: average the statistics over this device axis (weighted
-        by each device's batch size).
+        by each device's batch size), inside `jax.pmap` or `jax.shard_map`.
+      distributed_inverses: with ``pmap_axis_name``, refresh each block's
+        inverse on one owner device and share it (see
+        `kfacx.BlockDiagonalCurvature.update_cache`); the result is identical.
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose ``update`` requires the
@@ -125,6 +129,7 @@ def scale_by_kfac(
     period = _check_period(inverse_update_period, "inverse_update_period")
     func_args = tuple(func_args)
     estimator.set_up(func_args)
+    refresh_axis = pmap_axis_name if distributed_inverses else None
 
     def init_fn(params):
         args = _replace_params(func_args, params, estimator.params_index)
@@ -144,7 +149,7 @@ def scale_by_kfac(
         )
         est = jax.lax.cond(
             state.count % period == 0,
-            lambda e: estimator.update_cache(e, lam),
+            lambda e: estimator.update_cache(e, lam, refresh_axis),
             lambda e: e,
             est,
         )
