@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kfacx import tracer
+from kfacx import _checks, tracer
 from kfacx._configs import (
     CONFIGS,
     FLAT_NAMES,
@@ -84,11 +84,6 @@ def _tree_axpy(a: Any, x: Any, y: Any) -> Any:
 
 def _tree_scale(a: Any, x: Any) -> Any:
     return jax.tree.map(lambda u: (a * u).astype(u.dtype), x)
-
-
-def _all_finite(tree: Any) -> jax.Array:
-    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
-    return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
 
 
 def _as_schedule(value: float | Schedule | None) -> Schedule | None:
@@ -299,11 +294,17 @@ class Optimizer:
 
         Traces the loss function on ``batch`` to find its layers.
 
+        Warns (`UserWarning`) about parameters the loss does not use: they
+        get a zero gradient and are left unchanged (except for ``l2_reg``).
+
         Raises:
-          ValueError: if no loss is registered, a parameter is not covered, or
-            ``func_state`` does not match ``value_func_has_state``.
+          TypeError: if a parameter is not floating-point (naming its path).
+          ValueError: if no loss is registered, a parameter is not covered,
+            the batch is empty, or ``func_state`` does not match
+            ``value_func_has_state``.
         """
         self._check_func_state(func_state)
+        _checks.check_init_args(params, batch, example_axis=int(self.multi_device))
         self._past_first_step = False
         init = self.placement.stage_init(self.unstaged_init, self.debug)
         self._set_up(params, rng, batch, func_state)
@@ -320,7 +321,9 @@ class Optimizer:
         else:
             self.placement.check_batch(batch)
             batch = self.placement.local_batch(batch)
-        self.estimator.set_up(self._func_args(params, func_state, rng, self._microbatch(batch)))
+        args = self._func_args(params, func_state, rng, self._microbatch(batch))
+        _checks.warn_unused_params(lambda *a: self._split_output(self._value_func(*a))[0], args)
+        self.estimator.set_up(args)
         self._is_set_up = True
 
     def unstaged_init(self, params: Any, rng: jax.Array, batch: Any, func_state: Any = None):
@@ -507,6 +510,10 @@ class Optimizer:
           ``(params, state, stats)``, or ``(params, state, func_state, stats)``
           with ``value_func_has_state``.
         """
+        # At trace time only: an empty batch, or a state made for another model.
+        _checks.check_batch(batch)
+        expected = jax.eval_shape(self.unstaged_init, params, rng, batch, func_state)
+        _checks.check_state(state, expected, [repr(b) for b in self.estimator.blocks])
         axis = self.placement.axis_name
         cfg, lr_cfg, damp_cfg = self.curvature, self.learning_rate, self.damping
         est = self.estimator
@@ -655,7 +662,12 @@ class Optimizer:
             data_seen=state.data_seen + self._examples_seen(batch, axis),
             step_counter=step + 1,
         )
-        finite = _all_finite((loss, raw_grads, stats.blocks))
+        # Skip the step (keep params and state bit for bit) on a non-finite loss, gradient
+        # or statistic, a damping that is not positive, or a non-finite result (e.g. from a
+        # schedule returning NaN).
+        finite = _checks.all_finite(
+            (loss, raw_grads, stats.blocks, new_params, new_state, new_func_state)
+        ) & (lam > 0)
         new_params, new_state = jax.tree.map(
             lambda new, old: jnp.where(finite, new, old), (new_params, new_state), (params, state)
         )
@@ -741,10 +753,25 @@ class Optimizer:
           ``stats`` holds ``loss``, ``learning_rate``, ``momentum``,
           ``damping``, ``rho``, ``quad_model_change``, ``grad_norm``,
           ``precon_grad_norm``, ``update_norm``, ``step``, ``data_seen``,
-          ``skipped`` (a non-finite loss, gradient or statistic: parameters
-          and state are left unchanged) and ``aux``.
+          ``skipped`` and ``aux``. ``skipped`` is True when the loss, the
+          gradient, a curvature statistic, the new parameters or the new state
+          is not finite (e.g. NaN or Inf in the batch, a schedule returning
+          NaN), or the damping is not positive (e.g. from a
+          ``damping_schedule``): the parameters and the state (and
+          ``func_state``) are then returned unchanged, bit for bit, and the
+          step counter does not advance.
+
+        Raises:
+          ValueError: for a Python or NumPy ``damping`` that is not finite and
+            positive, or a non-finite ``learning_rate`` / ``momentum``
+            (checked before dispatch; a `jax.Array` is not read, a bad one
+            skips the step). When the step is traced (not per step): for an
+            empty batch; a ``state`` that does not belong to this model (made
+            by `init` for other layers, widths or params: the message names
+            the first mismatching state leaf); no learning rate or damping.
         """
         self._check_func_state(func_state)
+        _checks.check_step_values(learning_rate=learning_rate, momentum=momentum, damping=damping)
         if (batch is None) == (data_iterator is None):
             raise ValueError("Pass exactly one of batch and data_iterator.")
         if not self._is_set_up and batch is not None:  # E.g. resuming from a checkpoint.
