@@ -664,9 +664,11 @@ class Optimizer:
         )
         # Skip the step (keep params and state bit for bit) on a non-finite loss, gradient
         # or statistic, a damping that is not positive, or a non-finite result (e.g. from a
-        # schedule returning NaN).
+        # schedule returning NaN). The factors are moving averages of finite statistics, and
+        # a non-finite cached inverse would show in the update, so the (large) curvature
+        # state itself is not scanned.
         finite = _checks.all_finite(
-            (loss, raw_grads, stats.blocks, new_params, new_state, new_func_state)
+            (loss, raw_grads, stats.blocks, new_params, delta, new_state.damping, new_func_state)
         ) & (lam > 0)
         new_params, new_state = jax.tree.map(
             lambda new, old: jnp.where(finite, new, old), (new_params, new_state), (params, state)
