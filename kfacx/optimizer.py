@@ -72,8 +72,16 @@ class OptimizerState(NamedTuple):
     step_counter: jax.Array
 
 
+def _wide(x: jax.Array) -> jax.Array:
+    """``x`` in float32 or wider (bfloat16 / float16 sums overflow or lose digits)."""
+    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+
 def _tree_dot(a: Any, b: Any) -> jax.Array:
-    parts = [jnp.vdot(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)]
+    parts = [
+        jnp.vdot(_wide(x), _wide(y))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    ]
     return sum(parts, jnp.zeros((), jnp.float32))
 
 
@@ -842,7 +850,7 @@ class Optimizer:
 def _gram_upper(losses, jvp, vectors, mask) -> jax.Array:
     """The upper triangle (row-major) of ``sum_b (J v_i)_b^T H_b (J v_j)_b``."""
     # One jvp per vector: on CPU this is about twice as fast as a vmapped jvp.
-    tangents = [jvp(v) for v in vectors]
+    tangents = [jax.tree.map(_wide, jvp(v)) for v in vectors]
     k = len(vectors)
     rows = []
     for i in range(k):
