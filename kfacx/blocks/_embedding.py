@@ -94,7 +94,9 @@ class EmbeddingKroneckerFactored(CurvatureBlock):
         return state._replace(cache=cache)
 
     def _approx_pair_now(self, a, g, identity_weight, power) -> EmbeddingPair:
+        a = linalg.clip_eigenvalues(a)
         d_a, d_g = linalg.pi_adjusted_damping(jnp.diag(a), g, identity_weight)
+        d_a = linalg.floor_damping(d_a, jnp.sum(a), self.dtype)
         if power == -1.0:
             return EmbeddingPair(1.0 / (a + d_a), linalg.psd_inverse(g, d_g))
         return EmbeddingPair(jnp.power(a + d_a, power), linalg.psd_matpower(g, power, d_g))
@@ -126,7 +128,9 @@ class EmbeddingKroneckerFactored(CurvatureBlock):
             vals, vecs = state.cache.eigen
         else:
             vals, vecs = linalg.safe_eigh(state.factors[1].value)
-        scale = jnp.power(a[:, None] * vals[None, :] + jnp.asarray(identity_weight, w.dtype), power)
+        a, vals = linalg.clip_eigenvalues(a), linalg.clip_eigenvalues(vals)
+        weight = linalg.floor_damping(identity_weight, jnp.sum(a) * jnp.sum(vals), w.dtype)
+        scale = jnp.power(a[:, None] * vals[None, :] + weight, power)
         return ((w @ vecs) * scale) @ vecs.T
 
     def _approx_pair(self, state, identity_weight, power, use_cached) -> EmbeddingPair:
