@@ -20,6 +20,7 @@ from kfacx.blocks import _per_example
 from kfacx.blocks._base import (
     CurvatureBlock,
     LayerInfo,
+    cast_to,
     flatten_params,
     unflatten_params,
 )
@@ -55,7 +56,7 @@ class _AbstractDiagonal(CurvatureBlock):
         trace = sum(jnp.sum(x) for x in values)
         weight = linalg.floor_damping(identity_weight, trace, self.dtype)
         return tuple(
-            (jnp.power(x + weight, power) * v.astype(self.dtype)).astype(v.dtype)
+            cast_to(jnp.power(x + weight, power) * v.astype(self.dtype), v.dtype)
             for x, v in zip(values, vector, strict=True)
         )
 
@@ -135,7 +136,7 @@ class _AbstractFull(CurvatureBlock):
 
     def _unflatten(self, flat, like):
         return tuple(
-            p.astype(v.dtype)
+            cast_to(p, v.dtype)
             for p, v in zip(unflatten_params(flat, self.parameters_shapes), like, strict=True)
         )
 

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from kfacx import linalg
-from kfacx.blocks._base import BlockState, CurvatureBlock, LayerInfo, row_mask
+from kfacx.blocks._base import BlockState, CurvatureBlock, LayerInfo, cast_to, row_mask
 
 
 class EmbeddingEigen(NamedTuple):
@@ -108,7 +108,7 @@ class EmbeddingKroneckerFactored(CurvatureBlock):
         (v,) = vector
         w = v.astype(self.dtype)
         out = a[:, None] * (w @ g) + jnp.asarray(identity_weight, self.dtype) * w
-        return (out.astype(v.dtype),)
+        return (cast_to(out, v.dtype),)
 
     def _multiply_matpower(self, state, vector, identity_weight, power, exact_power, use_cached):
         (v,) = vector
@@ -118,7 +118,7 @@ class EmbeddingKroneckerFactored(CurvatureBlock):
         else:
             pair = self._approx_pair(state, identity_weight, power, use_cached)
             out = pair.inputs_diagonal[:, None] * (w @ pair.outputs)
-        return (out.astype(v.dtype),)
+        return (cast_to(out, v.dtype),)
 
     def _exact(self, state, w, identity_weight, power, use_cached):
         a = state.factors[0].value

@@ -23,7 +23,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from kfacx import linalg
-from kfacx.blocks._base import BlockState, CurvatureBlock, LayerInfo, Params, row_mask
+from kfacx.blocks._base import (
+    BlockState,
+    CurvatureBlock,
+    LayerInfo,
+    Params,
+    cast_to,
+    row_mask,
+)
 
 
 class KroneckerEigen(NamedTuple):
@@ -166,7 +173,7 @@ class TwoKroneckerFactored(CurvatureBlock):
 
     def _to_params(self, matrix, like: Params) -> Params:
         return tuple(
-            p.astype(v.dtype) for p, v in zip(self.matrix_to_params(matrix), like, strict=True)
+            cast_to(p, v.dtype) for p, v in zip(self.matrix_to_params(matrix), like, strict=True)
         )
 
     # ---------------------------------------------------------------- dense matrix
