@@ -446,3 +446,12 @@ def test_embedding_unseen_ids_and_nan():
             if exact:
                 unseen = np.asarray(out)[2:]
                 C.assert_close_rel(unseen, floor**power * np.asarray(v[0])[2:], 1e-5, "unseen")
+
+
+def test_stacked_cache_refresh_keeps_the_fallback_conditional():
+    """`StackedBlock.update_cache` of Kronecker (and full) blocks is not vmapped, so the
+    `lax.cond` of the inverse fallback stays a branch (vmapped, it would become a select
+    that always computes the eigendecomposition too)."""
+    _, block = _stacked_case()
+    jaxpr = str(jax.make_jaxpr(block.update_cache)(_init(block), 0.1))
+    assert "cond" in jaxpr
