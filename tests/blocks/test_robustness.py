@@ -308,7 +308,7 @@ def test_dead_units(name):
 
 def _dead_parameters(block, factors):
     """Parameters whose row and column of the dense block are zero."""
-    dense = np.asarray(block.to_dense_matrix(blocks.BlockState(factors, None)), np.float64)
+    dense = np.asarray(C.jit_to_dense(block)(blocks.BlockState(factors, None)), np.float64)
     return np.all(dense == 0, axis=0)
 
 
