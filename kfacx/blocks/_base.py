@@ -397,6 +397,21 @@ class CurvatureBlock(abc.ABC):
         )
 
 
+def cast_to(x: jax.Array, dtype: Any) -> jax.Array:
+    """``x`` cast to ``dtype`` (a product cast back to the parameters' dtype).
+
+    Casting to a floating dtype of smaller range (float16: largest value 65504)
+    saturates at its largest finite value instead of overflowing to Inf, so that
+    a finite product (e.g. ``v / damping`` with a tiny damping) stays finite.
+    """
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.floating) and jnp.issubdtype(x.dtype, jnp.floating):
+        big = jnp.finfo(dtype).max
+        if big < jnp.finfo(x.dtype).max:
+            x = jnp.clip(x, -jnp.asarray(big, x.dtype), jnp.asarray(big, x.dtype))
+    return x.astype(dtype)
+
+
 def row_mask(estimation_data: Mapping[str, Any], num_rows: int) -> jax.Array | None:
     """The per-example ``"mask"`` of the estimation data repeated for each of an
     example's ``num_rows // batch`` rows (positions), or None without a mask."""

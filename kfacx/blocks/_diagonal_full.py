@@ -20,6 +20,7 @@ from kfacx.blocks import _per_example
 from kfacx.blocks._base import (
     CurvatureBlock,
     LayerInfo,
+    cast_to,
     flatten_params,
     unflatten_params,
 )
@@ -50,10 +51,13 @@ class _AbstractDiagonal(CurvatureBlock):
 
     def _multiply_matpower(self, state, vector, identity_weight, power, exact_power, use_cached):
         del exact_power, use_cached  # Exact and cheap.
-        weight = jnp.asarray(identity_weight, self.dtype)
+        # Non-finite entries count as zero; the damping is floored at eps * trace.
+        values = [linalg.clip_eigenvalues(f.value) for f in state.factors]
+        trace = sum(jnp.sum(x) for x in values)
+        weight = linalg.floor_damping(identity_weight, trace, self.dtype)
         return tuple(
-            (jnp.power(f.value + weight, power) * v.astype(self.dtype)).astype(v.dtype)
-            for f, v in zip(state.factors, vector, strict=True)
+            cast_to(jnp.power(x + weight, power) * v.astype(self.dtype), v.dtype)
+            for x, v in zip(values, vector, strict=True)
         )
 
     def to_dense_matrix(self, state):
@@ -125,12 +129,14 @@ class _AbstractFull(CurvatureBlock):
         else:
             vals, vecs = linalg.safe_eigh(state.factors[0].value)
         v = flatten_params(vector).astype(self.dtype)
-        scale = jnp.power(vals + jnp.asarray(identity_weight, self.dtype), power)
+        vals = linalg.clip_eigenvalues(vals)
+        weight = linalg.floor_damping(identity_weight, jnp.sum(vals), self.dtype)
+        scale = jnp.power(vals + weight, power)
         return self._unflatten(vecs @ (scale * (vecs.T @ v)), vector)
 
     def _unflatten(self, flat, like):
         return tuple(
-            p.astype(v.dtype)
+            cast_to(p, v.dtype)
             for p, v in zip(unflatten_params(flat, self.parameters_shapes), like, strict=True)
         )
 

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from kfacx import linalg
-from kfacx.blocks._base import BlockState, CurvatureBlock, LayerInfo, row_mask
+from kfacx.blocks._base import BlockState, CurvatureBlock, LayerInfo, cast_to, row_mask
 
 
 class EmbeddingEigen(NamedTuple):
@@ -94,7 +94,9 @@ class EmbeddingKroneckerFactored(CurvatureBlock):
         return state._replace(cache=cache)
 
     def _approx_pair_now(self, a, g, identity_weight, power) -> EmbeddingPair:
+        a = linalg.clip_eigenvalues(a)
         d_a, d_g = linalg.pi_adjusted_damping(jnp.diag(a), g, identity_weight)
+        d_a = linalg.floor_damping(d_a, jnp.sum(a), self.dtype)
         if power == -1.0:
             return EmbeddingPair(1.0 / (a + d_a), linalg.psd_inverse(g, d_g))
         return EmbeddingPair(jnp.power(a + d_a, power), linalg.psd_matpower(g, power, d_g))
@@ -106,7 +108,7 @@ class EmbeddingKroneckerFactored(CurvatureBlock):
         (v,) = vector
         w = v.astype(self.dtype)
         out = a[:, None] * (w @ g) + jnp.asarray(identity_weight, self.dtype) * w
-        return (out.astype(v.dtype),)
+        return (cast_to(out, v.dtype),)
 
     def _multiply_matpower(self, state, vector, identity_weight, power, exact_power, use_cached):
         (v,) = vector
@@ -116,7 +118,7 @@ class EmbeddingKroneckerFactored(CurvatureBlock):
         else:
             pair = self._approx_pair(state, identity_weight, power, use_cached)
             out = pair.inputs_diagonal[:, None] * (w @ pair.outputs)
-        return (out.astype(v.dtype),)
+        return (cast_to(out, v.dtype),)
 
     def _exact(self, state, w, identity_weight, power, use_cached):
         a = state.factors[0].value
@@ -126,7 +128,9 @@ class EmbeddingKroneckerFactored(CurvatureBlock):
             vals, vecs = state.cache.eigen
         else:
             vals, vecs = linalg.safe_eigh(state.factors[1].value)
-        scale = jnp.power(a[:, None] * vals[None, :] + jnp.asarray(identity_weight, w.dtype), power)
+        a, vals = linalg.clip_eigenvalues(a), linalg.clip_eigenvalues(vals)
+        weight = linalg.floor_damping(identity_weight, jnp.sum(a) * jnp.sum(vals), w.dtype)
+        scale = jnp.power(a[:, None] * vals[None, :] + weight, power)
         return ((w @ vecs) * scale) @ vecs.T
 
     def _approx_pair(self, state, identity_weight, power, use_cached) -> EmbeddingPair:

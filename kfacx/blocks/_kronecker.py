@@ -23,7 +23,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from kfacx import linalg
-from kfacx.blocks._base import BlockState, CurvatureBlock, LayerInfo, Params, row_mask
+from kfacx.blocks._base import (
+    BlockState,
+    CurvatureBlock,
+    LayerInfo,
+    Params,
+    cast_to,
+    row_mask,
+)
 
 
 class KroneckerEigen(NamedTuple):
@@ -153,15 +160,20 @@ class TwoKroneckerFactored(CurvatureBlock):
 
     @staticmethod
     def _exact_matpower(eigen: KroneckerEigen, v, identity_weight, power):
+        """``(A (x) G + l I)^p v`` per group, with ``l`` floored at the group's
+        ``eps * tr(A) tr(G)`` (`kfacx.linalg.floor_damping`)."""
         u_a, u_g = eigen.inputs_eigenvectors, eigen.outputs_eigenvectors
         rotated = jnp.swapaxes(u_a, -1, -2) @ v @ u_g
-        vals = eigen.inputs_eigenvalues[..., :, None] * eigen.outputs_eigenvalues[..., None, :]
-        scale = jnp.power(vals + jnp.asarray(identity_weight, v.dtype), power)
+        vals_a = linalg.clip_eigenvalues(eigen.inputs_eigenvalues)
+        vals_g = linalg.clip_eigenvalues(eigen.outputs_eigenvalues)
+        trace = jnp.sum(vals_a, axis=-1) * jnp.sum(vals_g, axis=-1)
+        damping = linalg.floor_damping(identity_weight, trace, v.dtype)[..., None, None]
+        scale = jnp.power(vals_a[..., :, None] * vals_g[..., None, :] + damping, power)
         return u_a @ (rotated * scale) @ jnp.swapaxes(u_g, -1, -2)
 
     def _to_params(self, matrix, like: Params) -> Params:
         return tuple(
-            p.astype(v.dtype) for p, v in zip(self.matrix_to_params(matrix), like, strict=True)
+            cast_to(p, v.dtype) for p, v in zip(self.matrix_to_params(matrix), like, strict=True)
         )
 
     # ---------------------------------------------------------------- dense matrix

@@ -32,6 +32,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from kfacx.blocks._base import BlockState, CurvatureBlock, LayerInfo, Params
+from kfacx.blocks._diagonal_full import _AbstractFull
+from kfacx.blocks._kronecker import TwoKroneckerFactored
+
+#: `update_cache` implementations that accept states with extra leading (stack) axes.
+_STACK_AWARE_UPDATE_CACHE = (TwoKroneckerFactored.update_cache, _AbstractFull.update_cache)
 
 #: The axis of the layer (stack) dimension in each field of the estimation data; the
 #: other fields (e.g. the per-example ``"mask"``) are shared by all slices.
@@ -141,6 +146,15 @@ class StackedBlock(CurvatureBlock):
         )
 
     def update_cache(self, state: BlockState, identity_weight: Any) -> BlockState:
+        """The inner block's cache refresh, slice by slice.
+
+        The built-in Kronecker and full blocks refresh their caches from stacked
+        factors as they are, without `jax.vmap`: the `lax.cond` of the
+        `kfacx.linalg` fallbacks then skips the fallback when no slice needs it
+        (under `jax.vmap` both branches would run).
+        """
+        if type(self.inner).update_cache in _STACK_AWARE_UPDATE_CACHE:
+            return self.inner.update_cache(state, identity_weight)
         return jax.vmap(lambda s: self.inner.update_cache(s, identity_weight))(state)
 
     # ---------------------------------------------------------------- products
