@@ -26,6 +26,7 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 
 import argparse  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 import pathlib  # noqa: E402
 import platform  # noqa: E402
@@ -99,12 +100,36 @@ def refresh_times(opt, state, repeats: int) -> dict:
         out[f"{n} devices (shard_map)"] = _median_time(mapped, on_mesh, repeats)
         owners = est.block_owners(n)
         loads = _distributed.device_loads(costs, owners, n)
+        # Each device's share, timed alone on one device: the wall time of a refresh on
+        # devices that really run in parallel is the largest share (plus the all-reduce).
+        share_s = [
+            _median_time(
+                jax.jit(functools.partial(_owned_part, est, owners, d)), est_state, repeats
+            )
+            for d in range(n)
+        ]
+        psum = jax.pmap(
+            lambda s: jax.lax.psum(tuple(b.cache for b in s.blocks), "i"),
+            axis_name="i",
+            devices=devices,
+        )
         shares[n] = dict(
             owners=list(owners),
-            loads=loads,
+            cost_loads=loads,
             ideal_speedup=sum(costs) / max(loads),
+            share_seconds=share_s,
+            all_reduce_seconds=_median_time(psum, replicated, repeats),
         )
     return dict(seconds=out, costs=costs, shares=shares)
+
+
+def _owned_part(est, owners, device, est_state):
+    """The caches of the blocks ``device`` owns, refreshed serially."""
+    return [
+        block.update_cache(state, DAMPING).cache
+        for block, state, owner in zip(est.blocks, est_state.blocks, owners, strict=True)
+        if owner == device
+    ]
 
 
 def _tree_bytes(tree) -> int:
@@ -168,9 +193,12 @@ def main(argv=None) -> dict:
     for name, seconds in refresh["seconds"].items():
         print(f"  {name:<24}{seconds * 1e3:8.1f} ms   {base / seconds:5.2f}x")
     for n, share in refresh["shares"].items():
+        largest = max(share["share_seconds"])
+        shares_ms = ", ".join(f"{t * 1e3:.0f}" for t in share["share_seconds"])
         print(
-            f"  owners on {n} devices: {share['owners']}  ideal speed-up "
-            f"{share['ideal_speedup']:.2f}x"
+            f"  {n} devices: owners {share['owners']}; each device's share alone "
+            f"[{shares_ms}] ms -> {base / largest:.2f}x on parallel devices (cost model "
+            f"{share['ideal_speedup']:.2f}x); all-reduce {share['all_reduce_seconds'] * 1e3:.0f} ms"
         )
     mb = 1024**2
     print(
