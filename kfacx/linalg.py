@@ -247,8 +247,10 @@ def _with_fallback(m: jax.Array, first: Callable, fallback: Callable, finite: Ca
     """``first(m)``, with the matrices of the stack where it is not ``finite`` replaced by
     ``fallback`` computed in `_retry_dtype` (a `jax.lax.cond`: free when all are finite)."""
     out = first(m)
-    ok = finite(out)
     retry = _retry_dtype(m.dtype)
+    if fallback is first and retry == m.dtype:  # The retry would compute the same thing.
+        return out
+    ok = finite(out)
 
     def replace(out):
         alt = jax.tree.map(lambda a: a.astype(m.dtype), fallback(m.astype(retry)))
