@@ -10,6 +10,7 @@ from kfacx._optax import (
     AccumulateCurvatureStatsState,
     ScaleByKfacState,
     accumulate_curvature_stats,
+    precondition,
     scale_by_kfac,
 )
 from kfacx.blocks import (
@@ -80,6 +81,7 @@ __all__ = [
     "CurvatureStats",
     "ScaleByKfacState",
     "accumulate_curvature_stats",
+    "precondition",
     "scale_by_kfac",
     "DEFAULT_GRAPH_PATTERNS",
     "DEFAULT_LAYER_TAG_TO_BLOCK_CTOR",

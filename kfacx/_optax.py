@@ -75,6 +75,71 @@ def _replace_params(func_args: Sequence[Any], params: Any, index: int) -> tuple:
     return tuple(args)
 
 
+def precondition(
+    estimator: BlockDiagonalCurvature,
+    estimator_state: EstimatorState,
+    count: Any,
+    grads: Any,
+    curvature_stats: CurvatureStats,
+    damping: Any,
+    *,
+    curvature_ema: float,
+    inverse_update_period: int,
+    use_exact_inverses: bool = False,
+    update_curvature: Any = True,
+    stats_axis_name: str | None = None,
+    refresh_axis_name: str | None = None,
+    refresh: Callable[[EstimatorState, Any], EstimatorState] | None = None,
+) -> tuple[Any, EstimatorState]:
+    """The K-FAC preconditioning step shared by `scale_by_kfac` and `kfacx.Optimizer`.
+
+    Folds ``curvature_stats`` into the blocks' moving averages, refreshes the
+    cached damped inverses when ``count`` is a multiple of
+    ``inverse_update_period`` (the first update included), and returns
+    ``((C + damping I)^-1 grads, new_estimator_state)``. Pure: jit, pmap and
+    shard it as you like.
+
+    Args:
+      estimator: the (set-up) curvature estimator.
+      estimator_state: its state.
+      count: updates so far (an int array); decides the refresh.
+      grads: a parameter-shaped pytree to precondition.
+      curvature_stats: this batch's `kfacx.CurvatureStats`.
+      damping: the damping (identity weight) of the inverse and its refresh.
+      curvature_ema: weight of the old moving average in each update.
+      inverse_update_period: refresh the cached inverses every this many updates.
+      use_exact_inverses: exact inverses of the damped Kronecker products
+        (cached eigendecompositions) instead of factored damping.
+      update_curvature: whether to fold the statistics in (a bool or a traced
+        bool; False leaves the moving averages as they are).
+      stats_axis_name: average the statistics over this device axis first.
+      refresh_axis_name: distribute the refresh over this device axis (see
+        `kfacx.BlockDiagonalCurvature.update_cache`).
+      refresh: ``(estimator_state, damping) -> estimator_state`` replacing
+        ``estimator.update_cache`` (e.g. a refresh placed on a mesh).
+
+    Returns:
+      ``(preconditioned, estimator_state)``.
+    """
+    if update_curvature is True:
+        ema_old, ema_new = curvature_ema, 1.0 - curvature_ema
+    else:
+        ema_old = jnp.where(update_curvature, curvature_ema, 1.0)
+        ema_new = jnp.where(update_curvature, 1.0 - curvature_ema, 0.0)
+    state = estimator.update_curvature_estimate_from_stats(
+        estimator_state, curvature_stats, ema_old, ema_new, stats_axis_name
+    )
+    if refresh is None:
+        refresh = lambda e, w: estimator.update_cache(e, w, refresh_axis_name)  # noqa: E731
+    state = jax.lax.cond(
+        count % inverse_update_period == 0, refresh, lambda e, w: e, state, damping
+    )
+    precon = estimator.multiply_inverse(
+        state, grads, damping, exact_power=use_exact_inverses, use_cached=True
+    )
+    return precon, state
+
+
 def scale_by_kfac(
     estimator: BlockDiagonalCurvature,
     func_args: Sequence[Any],
@@ -143,18 +208,18 @@ def scale_by_kfac(
                 "kfacx.CurvatureStats from estimator.value_grads_and_curvature_stats; got "
                 f"{type(curvature_stats).__name__}."
             )
-        lam = jnp.asarray(damping_fn(state.count))
-        est = estimator.update_curvature_estimate_from_stats(
-            state.estimator_state, curvature_stats, ema, 1.0 - ema, pmap_axis_name
-        )
-        est = jax.lax.cond(
-            state.count % period == 0,
-            lambda e: estimator.update_cache(e, lam, refresh_axis),
-            lambda e: e,
-            est,
-        )
-        precon = estimator.multiply_inverse(
-            est, updates, lam, exact_power=use_exact_inverses, use_cached=True
+        precon, est = precondition(
+            estimator,
+            state.estimator_state,
+            state.count,
+            updates,
+            curvature_stats,
+            jnp.asarray(damping_fn(state.count)),
+            curvature_ema=ema,
+            inverse_update_period=period,
+            use_exact_inverses=use_exact_inverses,
+            stats_axis_name=pmap_axis_name,
+            refresh_axis_name=refresh_axis,
         )
         return precon, ScaleByKfacState(state.count + 1, est)
 

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kfacx import _distributed, graph_matcher, tracer
+from kfacx import _refresh, graph_matcher, tracer
 from kfacx import blocks as blocks_lib
 from kfacx.losses import LossFunction
 
@@ -461,36 +461,42 @@ class BlockDiagonalCurvature:
     ) -> EstimatorState:
         """Refreshes every block's cached inverses / eigendecompositions.
 
+        Factors of (nearly) the same size, across blocks, are inverted together
+        as one padded stack (`kfacx.linalg.psd_inverse_padded`), so a model with
+        many equal-width layers compiles and runs one factorisation per size.
         With ``pmap_axis_name`` (inside `jax.pmap` or `jax.shard_map`) the work
-        is distributed: each block is refreshed by one owner device, chosen by
-        cost (`block_owners`), and shared with the others by a ``psum``. The
-        result is bit-identical to the serial refresh.
+        is distributed: each unit of the refresh (a size bucket, or a block that
+        refreshes itself) runs on one owner device, chosen by cost
+        (`block_owners`), and a ``psum`` shares the results. The result is
+        bit-identical to the serial refresh.
 
         Raises:
           ValueError: if ``identity_weight`` is concrete and not positive.
         """
         self._require_set_up()
         _check_damping(identity_weight, "update_cache", allow_zero=False)
-        pairs = tuple(zip(self._blocks, state.blocks, strict=True))
-        num_devices = 1 if pmap_axis_name is None else jax.lax.axis_size(pmap_axis_name)
-        if num_devices == 1:
-            return EstimatorState(tuple(b.update_cache(s, identity_weight) for b, s in pairs))
-        caches = _distributed.owned_refresh(
-            [lambda b=b, s=s: b.update_cache(s, identity_weight).cache for b, s in pairs],
-            self.block_owners(num_devices),
-            pmap_axis_name,
-        )
         return EstimatorState(
-            tuple(s._replace(cache=c) for s, c in zip(state.blocks, caches, strict=True))
+            _refresh.refresh(self._blocks, state.blocks, identity_weight, pmap_axis_name)
         )
 
     def block_owners(self, num_devices: int) -> tuple[int, ...]:
         """The device (of ``num_devices``) that refreshes each block's cache in a
-        distributed `update_cache`: balanced by the blocks' refresh cost
-        (``n^3`` per ``n x n`` factor; see `kfacx._distributed`)."""
+        distributed `update_cache`. The refresh is split into units (a bucket of
+        equal-sized factors of several blocks, or one block; see
+        `kfacx._refresh`) whose owners are balanced by cost (``K n^3`` per
+        bucket of ``K`` ``n x n`` factors); a block spread over several units is
+        shown with the owner of its most expensive one."""
         self._require_set_up()
-        costs = [_distributed.refresh_cost(b) for b in self._blocks]
-        return _distributed.assign_owners(costs, num_devices)
+        spec = self._cache_spec
+
+        def units(_):
+            states = [b.init(jax.random.key(0), *spec) for b in self._blocks]
+            found.append(_refresh.plan(self._blocks, states, 1.0))
+            return 0
+
+        found: list[_refresh.RefreshPlan] = []
+        jax.eval_shape(units, 0)
+        return _refresh.block_owners(found[0], len(self._blocks), num_devices)
 
     # ---------------------------------------------------------------- products
 

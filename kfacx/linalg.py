@@ -33,11 +33,13 @@ cast back.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def symmetrize(m: jax.Array) -> jax.Array:
@@ -199,20 +201,100 @@ def _damped_power(m: jax.Array, damping: Any, power: float, cholesky_first: bool
     dtype = m.dtype
     m = symmetrize(m.astype(_working_dtype(dtype)))
     d = floored_damping(m, damping, dtype)
-    identity = jnp.broadcast_to(jnp.eye(m.shape[-1], dtype=m.dtype), m.shape)
-    scaled_identity = identity * jnp.power(d, power)[..., None, None]
-
-    def eigen(x):
-        vals, vecs = safe_eigh(x)
-        dx = d.astype(x.dtype)[..., None]
-        return (vecs * jnp.power(vals + dx, power)[..., None, :]) @ jnp.swapaxes(vecs, -1, -2)
-
-    if cholesky_first:
-        out = _with_fallback(m, _cholesky_inverse(d), eigen, lambda x: _finite(x, 2))
-    else:
-        out = eigen(m)
-    out = jnp.where(_finite(out, 2)[..., None, None], out, scaled_identity)
+    out = _floored_inverse(m, d) if cholesky_first else _floored_power(m, d, power)
     return out.astype(dtype)
+
+
+def _floored_power(m: jax.Array, d: jax.Array, power: float) -> jax.Array:
+    """``(m_+ + d I)^power`` of a symmetric ``m`` whose damping ``d`` is floored already."""
+    vals, vecs = safe_eigh(m)
+    dx = d.astype(m.dtype)[..., None]
+    out = (vecs * jnp.power(vals + dx, power)[..., None, :]) @ jnp.swapaxes(vecs, -1, -2)
+    return jnp.where(_finite(out, 2)[..., None, None], out, _scaled_identity(m, d, power))
+
+
+def _floored_inverse(m: jax.Array, d: jax.Array) -> jax.Array:
+    """`psd_inverse` of a symmetric ``m`` whose damping ``d`` is floored already:
+    Cholesky, the eigh fallback where it is not finite, then ``(1 / d) I``."""
+    out = _with_fallback(
+        m, _cholesky_inverse(d), lambda x: _floored_power(x, d, -1.0), lambda x: _finite(x, 2)
+    )
+    return jnp.where(_finite(out, 2)[..., None, None], out, _scaled_identity(m, d, -1.0))
+
+
+def _scaled_identity(m: jax.Array, d: jax.Array, power: float) -> jax.Array:
+    identity = jnp.broadcast_to(jnp.eye(m.shape[-1], dtype=m.dtype), m.shape)
+    return identity * jnp.power(d, power).astype(m.dtype)[..., None, None]
+
+
+# ----------------------------------------------------------------------------- batched inverses
+
+
+def size_buckets(sizes: Sequence[int], max_growth: float = 1.05) -> list[tuple[int, list[int]]]:
+    """Groups matrix sizes for `psd_inverse_padded`: ``[(bucket size, indices)]``.
+
+    Sizes are taken from the largest down; a size joins the current bucket when
+    padding it to the bucket's size grows it by at most ``max_growth`` (so that
+    a layer's ``n`` and ``n + 1`` (bias) factors share one bucket), else it
+    starts a new bucket. Fewer buckets mean fewer distinct factorisations to
+    compile; ``max_growth`` bounds the extra work (``1.05**3 = 1.16``).
+
+    Example::
+
+      >>> size_buckets([785, 1000, 31, 1001, 30])
+      [(1001, [3, 1]), (785, [0]), (31, [2, 4])]
+    """
+    buckets: list[tuple[int, list[int]]] = []
+    for i in sorted(range(len(sizes)), key=lambda i: (-int(sizes[i]), i)):
+        if buckets and int(sizes[i]) * max_growth >= buckets[-1][0]:
+            buckets[-1][1].append(i)
+        else:
+            buckets.append((int(sizes[i]), [i]))
+    return buckets
+
+
+def psd_inverse_padded(
+    matrices: Sequence[jax.Array], dampings: Sequence[Any], size: int
+) -> jax.Array:
+    """`psd_inverse` of several stacks of matrices at once, padded to one size.
+
+    Each ``matrices[i]`` (``[..., n_i, n_i]`` with ``n_i <= size``) is floored
+    with its own ``dampings[i]`` as `psd_inverse` does, padded to ``[size, size]``
+    with an identity block (which does not change the inverse of the top-left
+    block), and all are inverted one after the other in a loop over the
+    ``[K, size, size]`` stack: one factorisation (and one fallback) to compile
+    for the whole group. Crop the results with `crop_padded`.
+
+    Returns:
+      ``[K, size, size]`` in the working dtype (float32 or wider), where ``K``
+      is the total number of matrices.
+    """
+    padded, floors = [], []
+    for m, damping in zip(matrices, dampings, strict=True):
+        n, dtype = m.shape[-1], m.dtype
+        damping = jnp.broadcast_to(jnp.asarray(damping), m.shape[:-2]).reshape(-1)
+        m = symmetrize(m.astype(_working_dtype(dtype)).reshape(-1, n, n))
+        floors.append(floored_damping(m, damping, dtype))
+        if n < size:
+            pad_diagonal = jnp.diag(jnp.asarray(np.arange(size) >= n, m.dtype))
+            m = jnp.pad(m, ((0, 0), (0, size - n), (0, size - n))) + pad_diagonal[None]
+        padded.append(m)
+    stack = padded[0] if len(padded) == 1 else jnp.concatenate(padded)
+    d = floors[0] if len(floors) == 1 else jnp.concatenate(floors)
+    # One matrix at a time (a loop, compiled once): batched LAPACK calls on the CPU can
+    # deadlock when several run at once, and the fallback then runs only where needed.
+    return jax.lax.map(lambda md: _floored_inverse(*md), (stack, d))
+
+
+def crop_padded(inverses: jax.Array, like: Sequence[jax.Array]) -> list[jax.Array]:
+    """Splits the result of `psd_inverse_padded` into arrays shaped and typed like ``like``."""
+    out, start = [], 0
+    for m in like:
+        n, count = m.shape[-1], math.prod(m.shape[:-2])
+        block = inverses[start : start + count, :n, :n]
+        out.append(block.reshape(m.shape).astype(m.dtype))
+        start += count
+    return out
 
 
 def _cholesky_inverse(d: jax.Array) -> Callable[[jax.Array], jax.Array]:

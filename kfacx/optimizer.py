@@ -43,6 +43,7 @@ from kfacx._configs import (
     LearningRateConfig,
     Schedule,
 )
+from kfacx._optax import precondition
 from kfacx._placement import Placement
 from kfacx.estimator import (
     BlockDiagonalCurvature,
@@ -565,21 +566,19 @@ class Optimizer:
             )
         identity_weight = lam + self.l2_reg
 
-        # Curvature.
-        ema = cfg.curvature_ema
-        ema_old = jnp.where(update_curvature, ema, 1.0)
-        ema_new = jnp.where(update_curvature, 1.0 - ema, 0.0)
-        est_state = est.update_curvature_estimate_from_stats(
-            state.estimator_state, stats, ema_old, ema_new
-        )
-        est_state = jax.lax.cond(
-            step % cfg.inverse_update_period == 0,
-            lambda e: self.placement.refresh(est.update_cache, e, identity_weight),
-            lambda e: e,
-            est_state,
-        )
-        precon = est.multiply_inverse(
-            est_state, grads, identity_weight, exact_power=cfg.use_exact_inverses, use_cached=True
+        # Curvature: the preconditioning core shared with `scale_by_kfac`.
+        precon, est_state = precondition(
+            est,
+            state.estimator_state,
+            step,
+            grads,
+            stats,
+            identity_weight,
+            curvature_ema=cfg.curvature_ema,
+            inverse_update_period=cfg.inverse_update_period,
+            use_exact_inverses=cfg.use_exact_inverses,
+            update_curvature=True if cfg.curvature_update_period == 1 else update_curvature,
+            refresh=lambda e, w: self.placement.refresh(est.update_cache, e, w),
         )
 
         # Learning rate and momentum.

@@ -846,3 +846,60 @@ def test_pmap_scale_by_kfac_update_equals_single_device_update():
                 for d in range(NUM_DEVICES):
                     assert_trees_close(take(got, d), want)
                     assert_trees_close(take(state, d), single_state)
+
+
+# ----------------------------------------------------------------------------- shared core
+
+
+def test_optimizer_and_optax_chain_take_identical_steps():
+    """`kfacx.Optimizer` with a fixed learning rate, momentum, damping and ``l2_reg``
+    and ``add_decayed_weights(l2) -> scale_by_kfac(damping + l2) -> scale(-lr) ->
+    trace(momentum)`` go through the same preconditioning core
+    (`kfacx._optax.precondition`): the same parameters, velocities and curvature
+    state step after step, refreshes included."""
+    lr, momentum, damping, l2 = 0.25, 0.5, DAMPING, 2.0**-6
+    params, batch, reference = _plain_mlp_problem()
+
+    def loss_fn(params, batch):
+        return reference(params, batch, register=True)[0]
+
+    kwargs = dict(curvature_ema=0.75, inverse_update_period=2, estimation_mode="ggn_exact")
+    opt = kfacx.Optimizer(jax.value_and_grad(loss_fn), l2_reg=l2, num_burnin_steps=0, **kwargs)
+    est = kfacx.BlockDiagonalCurvature(loss_fn, default_estimation_mode="ggn_exact")
+    tx = optax.chain(
+        optax.add_decayed_weights(l2),
+        kfacx.scale_by_kfac(
+            est,
+            (params, batch),
+            damping=damping + l2,
+            curvature_ema=kwargs["curvature_ema"],
+            inverse_update_period=kwargs["inverse_update_period"],
+        ),
+        optax.scale(-lr),
+        optax.trace(decay=momentum),
+    )
+
+    @jax.jit
+    def chain_step(params, opt_state):
+        _, grads, stats = est.value_grads_and_curvature_stats(KEY, (params, batch))
+        updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
+        return optax.apply_updates(params, updates), opt_state
+
+    opt_params, opt_state = params, opt.init(params, KEY, batch)
+    chain_params, chain_state = params, jax.jit(tx.init)(params)
+    for i in range(5):
+        opt_params, opt_state, stats = opt.step(
+            opt_params,
+            opt_state,
+            jax.random.fold_in(KEY, i),
+            batch,
+            learning_rate=lr,
+            momentum=momentum,
+            damping=damping,
+        )
+        chain_params, chain_state = chain_step(chain_params, chain_state)
+        assert not bool(stats["skipped"])
+        assert_trees_close(opt_params, chain_params, rtol=1e-5)
+        assert_trees_close(opt_state.velocities, chain_state[3].trace, rtol=1e-5)
+        assert_trees_close(opt_state.estimator_state, chain_state[1].estimator_state, rtol=1e-5)
+    assert int(chain_state[1].count) == 5 == int(opt_state.step_counter)

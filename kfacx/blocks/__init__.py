@@ -10,6 +10,7 @@ vector. Abstract bases: `CurvatureBlock` and `TwoKroneckerFactored`.
 from kfacx.blocks._base import (
     BlockState,
     CurvatureBlock,
+    InverseRefresh,
     LayerInfo,
     WeightedMovingAverage,
     flatten_params,
@@ -50,6 +51,7 @@ __all__ = [
     "EmbeddingPair",
     "Full",
     "FullEigen",
+    "InverseRefresh",
     "KroneckerCache",
     "KroneckerEigen",
     "KroneckerPair",

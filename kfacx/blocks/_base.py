@@ -133,6 +133,21 @@ class BlockState(NamedTuple):
     cache: Any
 
 
+class InverseRefresh(NamedTuple):
+    """A block's cache refresh as damped PSD inverses (see `CurvatureBlock.inverse_refresh`).
+
+    Attributes:
+      matrices: stacks of symmetric PSD matrices ``[..., n, n]``.
+      dampings: for each, a damping broadcastable to its leading (stack) axes.
+      finish: ``inverses -> BlockState``: the new state from
+        ``psd_inverse(matrices[i], dampings[i])`` for every ``i``.
+    """
+
+    matrices: tuple[jax.Array, ...]
+    dampings: tuple[Any, ...]
+    finish: Callable[[Sequence[jax.Array]], BlockState]
+
+
 def factor_dtype(dtypes: Sequence[Any]) -> Any:
     """Statistics are kept in float32 or wider, whatever the parameters' dtype."""
     return jnp.promote_types(jnp.result_type(*dtypes), jnp.float32)
@@ -235,6 +250,24 @@ class CurvatureBlock(abc.ABC):
     def to_dense_matrix(self, state: BlockState) -> jax.Array:
         """The block as an explicit ``[dim, dim]`` matrix over the flattened parameters
         (concatenated in the tag's order, each flattened row-major)."""
+
+    # ---------------------------------------------------------------- batched refresh
+
+    def inverse_refresh(self, state: BlockState, identity_weight: Any) -> InverseRefresh | None:
+        """`update_cache` as damped inverses, so that they can be batched across blocks.
+
+        `kfacx.BlockDiagonalCurvature.update_cache` inverts the (nearly)
+        equal-sized matrices of all blocks together (`kfacx.linalg.psd_inverse_padded`):
+        one factorisation to compile and run per size instead of one per block.
+        A block whose whole cache refresh is ``psd_inverse(m_i, d_i)`` of some
+        matrices returns them here; the default, None, means the estimator calls
+        `update_cache` instead. Both must give the same cache (to rounding).
+
+        Returns:
+          An `InverseRefresh`, or None.
+        """
+        del state, identity_weight
+        return None
 
     # ---------------------------------------------------------------- template
 

@@ -15,7 +15,14 @@ import jax
 import jax.numpy as jnp
 
 from kfacx import linalg
-from kfacx.blocks._base import BlockState, CurvatureBlock, LayerInfo, cast_to, row_mask
+from kfacx.blocks._base import (
+    BlockState,
+    CurvatureBlock,
+    InverseRefresh,
+    LayerInfo,
+    cast_to,
+    row_mask,
+)
 
 
 class EmbeddingEigen(NamedTuple):
@@ -93,10 +100,28 @@ class EmbeddingKroneckerFactored(CurvatureBlock):
         )
         return state._replace(cache=cache)
 
-    def _approx_pair_now(self, a, g, identity_weight, power) -> EmbeddingPair:
+    def inverse_refresh(self, state: BlockState, identity_weight: Any) -> InverseRefresh | None:
+        cache: EmbeddingCache = state.cache
+        if cache.inverse is None or cache.eigen is not None or cache.inverse_sqrt is not None:
+            return None
+        a, g = (f.value for f in state.factors)
+        d_a, d_g = self._split_damping(a, g, identity_weight)
+
+        def finish(inverses):
+            pair = EmbeddingPair(1.0 / (linalg.clip_eigenvalues(a) + d_a), inverses[0])
+            return state._replace(cache=cache._replace(inverse=pair))
+
+        return InverseRefresh((g,), (d_g,), finish)
+
+    def _split_damping(self, a, g, identity_weight):
+        """Factored damping ``(d_a, d_g)``; ``d_a`` floored for the diagonal factor."""
         a = linalg.clip_eigenvalues(a)
         d_a, d_g = linalg.pi_adjusted_damping(jnp.diag(a), g, identity_weight)
-        d_a = linalg.floor_damping(d_a, jnp.sum(a), self.dtype)
+        return linalg.floor_damping(d_a, jnp.sum(a), self.dtype), d_g
+
+    def _approx_pair_now(self, a, g, identity_weight, power) -> EmbeddingPair:
+        d_a, d_g = self._split_damping(a, g, identity_weight)
+        a = linalg.clip_eigenvalues(a)
         if power == -1.0:
             return EmbeddingPair(1.0 / (a + d_a), linalg.psd_inverse(g, d_g))
         return EmbeddingPair(jnp.power(a + d_a, power), linalg.psd_matpower(g, power, d_g))

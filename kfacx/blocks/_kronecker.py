@@ -26,6 +26,7 @@ from kfacx import linalg
 from kfacx.blocks._base import (
     BlockState,
     CurvatureBlock,
+    InverseRefresh,
     LayerInfo,
     Params,
     cast_to,
@@ -119,6 +120,18 @@ class TwoKroneckerFactored(CurvatureBlock):
             cache, lambda power: self._approx_factors(a, g, identity_weight, power)
         )
         return state._replace(cache=cache)
+
+    def inverse_refresh(self, state: BlockState, identity_weight: Any) -> InverseRefresh | None:
+        cache: KroneckerCache = state.cache
+        if cache.inverse is None or cache.eigen is not None or cache.inverse_sqrt is not None:
+            return None
+        a, g = (f.value for f in state.factors)
+        d_a, d_g = linalg.pi_adjusted_damping(a, g, identity_weight)
+
+        def finish(inverses):
+            return state._replace(cache=cache._replace(inverse=KroneckerPair(*inverses)))
+
+        return InverseRefresh((a, g), (d_a, d_g), finish)
 
     @staticmethod
     def _approx_factors(a, g, identity_weight, power) -> KroneckerPair:

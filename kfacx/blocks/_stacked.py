@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kfacx.blocks._base import BlockState, CurvatureBlock, LayerInfo, Params
+from kfacx.blocks._base import BlockState, CurvatureBlock, InverseRefresh, LayerInfo, Params
 from kfacx.blocks._diagonal_full import _AbstractFull
 from kfacx.blocks._kronecker import TwoKroneckerFactored
 
@@ -156,6 +156,12 @@ class StackedBlock(CurvatureBlock):
         if type(self.inner).update_cache in _STACK_AWARE_UPDATE_CACHE:
             return self.inner.update_cache(state, identity_weight)
         return jax.vmap(lambda s: self.inner.update_cache(s, identity_weight))(state)
+
+    def inverse_refresh(self, state: BlockState, identity_weight: Any) -> InverseRefresh | None:
+        """The inner block's, when its cache refresh takes stacked factors as they are."""
+        if type(self.inner).update_cache in _STACK_AWARE_UPDATE_CACHE:
+            return self.inner.inverse_refresh(state, identity_weight)
+        return None
 
     # ---------------------------------------------------------------- products
 
