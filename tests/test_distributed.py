@@ -112,6 +112,23 @@ def test_distributed_refresh_is_bit_identical_to_serial(exact):
     )
 
 
+def test_bucketed_refresh_equals_each_block_refreshing_itself():
+    """`update_cache` inverts the factors of all blocks in size buckets (here the 30 x 30
+    output factor of the first layer is padded into the 31 x 31 bucket of the second
+    layer's input factor); each block's cache equals its own `update_cache`."""
+    est, state = _estimator_and_state()
+    batched = jax.jit(est.update_cache)(state, 1e-2)
+    for block, before, after in zip(est.blocks, state.blocks, batched.blocks, strict=True):
+        alone = jax.jit(block.update_cache)(before, 1e-2)
+        jax.tree.map(
+            lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * np.abs(b).max()),
+            after,
+            alone,
+        )
+    sizes = [m.shape[-1] for b in batched.blocks for m in b.cache.inverse]
+    assert sizes == [41, 30, 31, 6, 7, 3]
+
+
 class _CountingDiagonal(kfacx.blocks.Diagonal):
     """A diagonal block that reports (device, block) each time its cache is refreshed."""
 

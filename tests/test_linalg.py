@@ -438,3 +438,42 @@ def test_narrow_dtypes_computed_in_float32(dtype):
     assert {inv.dtype, power.dtype, vals.dtype, vecs.dtype} == {jnp.dtype(dtype)}
     _close(inv, np.linalg.inv(ref_m + 0.5 * np.eye(4)), rtol=1e-2)
     _close(power, _matpower_ref(ref_m, -0.5, 0.5), rtol=1e-2)
+
+
+# ----------------------------------------------------------------------------- batched inverses
+
+
+def test_size_buckets_group_sizes_within_the_growth_bound():
+    assert linalg.size_buckets([785, 1000, 31, 1001, 30]) == [
+        (1001, [3, 1]),
+        (785, [0]),
+        (31, [2, 4]),
+    ]
+    # 8 * 1.05 < 9: no bucket; equal sizes always share one; ties keep the input order.
+    assert linalg.size_buckets([8, 9, 9, 3]) == [(9, [1, 2]), (8, [0]), (3, [3])]
+    assert linalg.size_buckets([8, 9], max_growth=1.2) == [(9, [1, 0])]
+    assert linalg.size_buckets([]) == []
+
+
+def test_psd_inverse_padded_equals_psd_inverse_of_each_matrix():
+    """Stacks of several sizes and dampings padded to one size and inverted together equal
+    `psd_inverse` of each; an indefinite matrix in the group still takes the eigh
+    fallback (with its own damping floor, not the padded matrix's)."""
+    rng = np.random.default_rng(3)
+    bad, bad64 = _indefinite()  # 3 x 3
+    matrices = [
+        _f32(_psd(rng, 5, rank=2, k=2)),
+        _f32(_psd(rng, 4)),
+        _f32(np.stack([bad, _psd(rng, 3)])[None]),  # [1, 2, 3, 3]
+    ]
+    dampings = [_f32([0.5, 0.25]), 1e-3, _f32([[0.1, 0.2]])]
+    out = linalg.crop_padded(linalg.psd_inverse_padded(matrices, dampings, 5), matrices)
+    for m, d, o in zip(matrices, dampings, out, strict=True):
+        assert o.shape == m.shape and o.dtype == m.dtype
+        d = jnp.broadcast_to(jnp.asarray(d, jnp.float32), m.shape[:-2])
+        _close(o, linalg.psd_inverse(m, d), rtol=1e-5)
+    _close(out[2][0, 0], _matpower_ref(bad64, -1.0, 0.1), rtol=1e-5)
+    # One factorisation per group, in a loop: no batched LAPACK call.
+    jaxpr = str(jax.make_jaxpr(lambda *m: linalg.psd_inverse_padded(m, dampings, 5))(*matrices))
+    single = str(jax.make_jaxpr(linalg.psd_inverse)(matrices[1], 1e-3))
+    assert jaxpr.count("cholesky") == single.count("cholesky") and "scan" in jaxpr
