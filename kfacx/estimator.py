@@ -461,9 +461,10 @@ class BlockDiagonalCurvature:
     ) -> EstimatorState:
         """Refreshes every block's cached inverses / eigendecompositions.
 
-        Factors of (nearly) the same size, across blocks, are inverted together
-        as one padded stack (`kfacx.linalg.psd_inverse_padded`), so a model with
-        many equal-width layers compiles and runs one factorisation per size.
+        The refresh is split into units (`kfacx._refresh`): one per block, or,
+        with ``kfacx._refresh.BATCH_INVERSES`` (off for now), one per size
+        bucket of the factors of all blocks, inverted together as a padded stack
+        (`kfacx.linalg.psd_inverse_padded`).
         With ``pmap_axis_name`` (inside `jax.pmap` or `jax.shard_map`) the work
         is distributed: each unit of the refresh (a size bucket, or a block that
         refreshes itself) runs on one owner device, chosen by cost

@@ -112,10 +112,11 @@ def test_distributed_refresh_is_bit_identical_to_serial(exact):
     )
 
 
-def test_bucketed_refresh_equals_each_block_refreshing_itself():
+def test_bucketed_refresh_equals_each_block_refreshing_itself(monkeypatch):
     """`update_cache` inverts the factors of all blocks in size buckets (here the 30 x 30
     output factor of the first layer is padded into the 31 x 31 bucket of the second
     layer's input factor); each block's cache equals its own `update_cache`."""
+    monkeypatch.setattr(kfacx._refresh, "BATCH_INVERSES", True)
     est, state = _estimator_and_state()
     batched = jax.jit(est.update_cache)(state, 1e-2)
     for block, before, after in zip(est.blocks, state.blocks, batched.blocks, strict=True):
