@@ -28,7 +28,6 @@ import jax.numpy as jnp
 from kfacx import _distributed, linalg
 from kfacx.blocks import BlockState, CurvatureBlock, InverseRefresh
 
-
 #: Whether `refresh` batches the blocks' inverses in size buckets. Off for now: the
 #: bucketed refresh compiles 30% faster on the autoencoder, but inside a whole step the
 #: distributed and the serial refresh then differ in the last bits (float32), which the
