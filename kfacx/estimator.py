@@ -461,10 +461,11 @@ class BlockDiagonalCurvature:
     ) -> EstimatorState:
         """Refreshes every block's cached inverses / eigendecompositions.
 
-        The refresh is split into units (`kfacx._refresh`): one per block, or,
-        with ``kfacx._refresh.BATCH_INVERSES`` (off for now), one per size
-        bucket of the factors of all blocks, inverted together as a padded stack
-        (`kfacx.linalg.psd_inverse_padded`).
+        The refresh is split into units (`kfacx._refresh`): one per size bucket
+        of the factors of all blocks that describe their refresh as damped
+        inverses (`kfacx.blocks.CurvatureBlock.inverse_refresh`), inverted
+        together as a padded stack (`kfacx.linalg.cholesky_inverse_padded`, with
+        one shared fallback, `kfacx.linalg.repair_padded`), and one per other block.
         With ``pmap_axis_name`` (inside `jax.pmap` or `jax.shard_map`) the work
         is distributed: each unit of the refresh (a size bucket, or a block that
         refreshes itself) runs on one owner device, chosen by cost

@@ -546,7 +546,6 @@ class Optimizer:
             stats = weighted_mean_stats(stats, axis)
             if new_func_state is not None:
                 new_func_state = jax.lax.pmean(new_func_state, axis)
-        raw_grads = grads
         if self.l2_reg:
             grads = _tree_axpy(self.l2_reg, params, grads)
 
@@ -669,21 +668,28 @@ class Optimizer:
             data_seen=state.data_seen + self._examples_seen(batch, axis),
             step_counter=step + 1,
         )
-        # Skip the step (keep params and state bit for bit) on a non-finite loss, gradient
-        # or statistic, a damping that is not positive, or a non-finite result (e.g. from a
-        # schedule returning NaN). The factors are moving averages of finite statistics, and
-        # a non-finite cached inverse would show in the update, so the (large) curvature
-        # state itself is not scanned.
-        finite = _checks.all_finite(
-            (loss, raw_grads, stats.blocks, new_params, delta, new_state.damping, new_func_state)
-        ) & (lam > 0)
-        new_params, new_state = jax.tree.map(
-            lambda new, old: jnp.where(finite, new, old), (new_params, new_state), (params, state)
+        # Skip the step (keep params and state bit for bit) on a non-finite loss, gradient,
+        # statistic or update, or a damping that is not positive (e.g. a schedule returning
+        # NaN). The squared norms, needed for the returned stats anyway, stand in for a
+        # scan of every leaf: a non-finite entry (or an overflowing norm) makes them so.
+        # The factors are moving averages of finite statistics, and a non-finite cached
+        # inverse would show in the update, so the (large) curvature state is not scanned.
+        # One `jax.lax.cond` keeps or replaces the whole state (no select per leaf).
+        grad_sq, precon_sq, update_sq = sq_norm(grads), sq_norm(precon), sq_norm(delta)
+        finite = (
+            jnp.isfinite(loss)
+            & jnp.isfinite(grad_sq)
+            & jnp.isfinite(update_sq)
+            & jnp.isfinite(new_state.damping)
+            & (lam > 0)
+            & _checks.all_finite((stats.blocks, new_func_state))
         )
-        if new_func_state is not None:
-            new_func_state = jax.tree.map(
-                lambda new, old: jnp.where(finite, new, old), new_func_state, func_state
-            )
+        old_func_state = None if new_func_state is None else func_state
+        new_params, new_state, new_func_state = jax.lax.cond(
+            finite,
+            lambda: (new_params, new_state, new_func_state),
+            lambda: (params, state, old_func_state),
+        )
         stats_out = dict(
             loss=loss,
             learning_rate=jnp.asarray(lr, jnp.float32),
@@ -691,9 +697,9 @@ class Optimizer:
             damping=jnp.asarray(lam, jnp.float32),
             rho=jnp.asarray(rho, jnp.float32),
             quad_model_change=jnp.asarray(quad_change, jnp.float32),
-            grad_norm=jnp.sqrt(sq_norm(grads)),
-            precon_grad_norm=jnp.sqrt(sq_norm(precon)),
-            update_norm=jnp.sqrt(sq_norm(delta)),
+            grad_norm=jnp.sqrt(grad_sq),
+            precon_grad_norm=jnp.sqrt(precon_sq),
+            update_norm=jnp.sqrt(update_sq),
             step=step,
             data_seen=new_state.data_seen,
             skipped=~finite,

@@ -83,11 +83,15 @@ def _estimator_and_state(num_updates=2, exact=False):
     return est, state
 
 
-def test_refresh_cost_and_block_owners_follow_the_factor_sizes():
+def test_refresh_cost_and_block_owners_follow_the_factor_sizes(monkeypatch):
     est, _ = _estimator_and_state(0)
     costs = [_distributed.refresh_cost(b) for b in est.blocks]
     # Dense blocks: (in + 1)^3 + out^3 (bias folded into the input factor).
     assert costs == [41.0**3 + 30.0**3, 31.0**3 + 6.0**3, 7.0**3 + 3.0**3]
+    # Bucketed, all six factors (at most 41 x 41) share one 64 x 64 bucket: one unit.
+    assert est.block_owners(2) == (0, 0, 0)
+    # Each block refreshing itself: the largest block alone, the two others together.
+    monkeypatch.setattr(kfacx._refresh, "BATCH_INVERSES", False)
     assert est.block_owners(2) == (0, 1, 1)
     assert est.block_owners(1) == (0, 0, 0)
 
@@ -113,10 +117,9 @@ def test_distributed_refresh_is_bit_identical_to_serial(exact):
 
 
 def test_bucketed_refresh_equals_each_block_refreshing_itself(monkeypatch):
-    """`update_cache` inverts the factors of all blocks in size buckets (here the 30 x 30
-    output factor of the first layer is padded into the 31 x 31 bucket of the second
-    layer's input factor); each block's cache equals its own `update_cache`."""
-    monkeypatch.setattr(kfacx._refresh, "BATCH_INVERSES", True)
+    """`update_cache` inverts the factors of all blocks in size buckets (here all six, at
+    most 41 x 41, are padded into one 64 x 64 bucket); each block's cache equals its own
+    `update_cache`."""
     est, state = _estimator_and_state()
     batched = jax.jit(est.update_cache)(state, 1e-2)
     for block, before, after in zip(est.blocks, state.blocks, batched.blocks, strict=True):
@@ -128,6 +131,36 @@ def test_bucketed_refresh_equals_each_block_refreshing_itself(monkeypatch):
         )
     sizes = [m.shape[-1] for b in batched.blocks for m in b.cache.inverse]
     assert sizes == [41, 30, 31, 6, 7, 3]
+
+
+def test_bucketed_refresh_repairs_a_failed_factor_the_same_way_on_every_device():
+    """An indefinite factor fails its Cholesky inverse inside the bucket; the shared eigh
+    fallback repairs it, equal to the block's own refresh (`psd_inverse`), and the
+    distributed refresh still equals the serial one bit for bit."""
+    est, state = _estimator_and_state()
+    blocks = list(state.blocks)
+    first = blocks[1].factors[0]
+    value = first.value  # [1, 31, 31]
+    mean_diagonal = jnp.trace(value, axis1=-2, axis2=-1)[..., None, None] / value.shape[-1]
+    bad = value - 2.0 * mean_diagonal * jnp.eye(value.shape[-1])[None]
+    factors = (first._replace(raw_value=bad * first.weight),) + blocks[1].factors[1:]
+    blocks[1] = blocks[1]._replace(factors=factors)
+    state = state._replace(blocks=tuple(blocks))
+    serial = jax.jit(est.update_cache)(state, 1e-2)
+    alone = jax.jit(est.blocks[1].update_cache)(state.blocks[1], 1e-2)
+    repaired = serial.blocks[1].cache.inverse[0]
+    assert bool(jnp.all(jnp.isfinite(repaired)))
+    # Both are float32 eigendecompositions (of the matrix padded to 64, and alone).
+    expected = alone.cache.inverse[0]
+    np.testing.assert_allclose(repaired, expected, rtol=1e-3, atol=1e-5 * np.abs(expected).max())
+    replicated = kfacx.parallel.replicate_all_local_devices(state)
+    distributed = jax.pmap(lambda s: est.update_cache(s, 1e-2, pmap_axis_name="i"), axis_name="i")(
+        replicated
+    )
+    for d in range(N):
+        jax.tree.map(
+            np.testing.assert_array_equal, serial, jax.tree.map(lambda x: x[d], distributed)
+        )
 
 
 class _CountingDiagonal(kfacx.blocks.Diagonal):

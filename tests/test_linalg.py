@@ -447,12 +447,36 @@ def test_size_buckets_group_sizes_within_the_growth_bound():
     assert linalg.size_buckets([785, 1000, 31, 1001, 30]) == [
         (1001, [3, 1]),
         (785, [0]),
-        (31, [2, 4]),
+        (64, [2, 4]),  # Small sizes share one bucket of min_size.
     ]
     # 8 * 1.05 < 9: no bucket; equal sizes always share one; ties keep the input order.
-    assert linalg.size_buckets([8, 9, 9, 3]) == [(9, [1, 2]), (8, [0]), (3, [3])]
-    assert linalg.size_buckets([8, 9], max_growth=1.2) == [(9, [1, 0])]
+    assert linalg.size_buckets([8, 9, 9, 3], min_size=1) == [(9, [1, 2]), (8, [0]), (3, [3])]
+    assert linalg.size_buckets([8, 9], max_growth=1.2, min_size=1) == [(9, [1, 0])]
+    assert linalg.size_buckets([8, 9, 70], min_size=16) == [(70, [2]), (16, [1, 0])]
     assert linalg.size_buckets([]) == []
+
+
+def test_diagonal_sums_and_floored_damping_vector_match_each_matrix():
+    """One pass over all diagonals gives each stack's traces and ``|diag|`` sums, and the
+    flat vector of floored dampings equals `floored_damping` of each stack."""
+    rng = np.random.default_rng(5)
+    matrices = [_f32(_psd(rng, 5, k=2)), _f32(-np.eye(3)), _f32(_psd(rng, 4) * 1e-30)]
+    traces, absolute = linalg.diagonal_sums(matrices)
+    for m, t, a in zip(matrices, traces, absolute, strict=True):
+        assert t.shape == m.shape[:-2]
+        np.testing.assert_allclose(t, np.trace(m, axis1=-2, axis2=-1), rtol=1e-6)
+        np.testing.assert_allclose(a, np.abs(np.diagonal(m, axis1=-2, axis2=-1)).sum(-1), rtol=1e-6)
+    dampings = [_f32([0.5, 1e-12]), 0.0, 0.0]
+    flat = linalg.floored_damping_vector(matrices, dampings)
+    each = [
+        np.broadcast_to(linalg.floored_damping(m, d), m.shape[:-2]).reshape(-1)
+        for m, d in zip(matrices, dampings, strict=True)
+    ]
+    np.testing.assert_allclose(flat, np.concatenate(each), rtol=1e-6)
+    # The dampings may be a function of the traces.
+    by_trace = linalg.floored_damping_vector(matrices, lambda tr: [t * 0 + 0.25 for t in tr])
+    np.testing.assert_allclose(by_trace, 0.25)
+    assert linalg.floored_damping_vector([], []).shape == (0,)
 
 
 def test_psd_inverse_padded_equals_psd_inverse_of_each_matrix():

@@ -138,13 +138,16 @@ class InverseRefresh(NamedTuple):
 
     Attributes:
       matrices: stacks of symmetric PSD matrices ``[..., n, n]``.
-      dampings: for each, a damping broadcastable to its leading (stack) axes.
+      dampings: for each, a damping broadcastable to its leading (stack) axes; or
+        a function ``traces -> dampings`` of the matrices' traces (``[...]``
+        each), which the refresh computes for all blocks in one pass (e.g. for
+        the factored "pi" damping, `kfacx.linalg.pi_damping_from_traces`).
       finish: ``inverses -> BlockState``: the new state from
         ``psd_inverse(matrices[i], dampings[i])`` for every ``i``.
     """
 
     matrices: tuple[jax.Array, ...]
-    dampings: tuple[Any, ...]
+    dampings: tuple[Any, ...] | Callable[[tuple[jax.Array, ...]], tuple[Any, ...]]
     finish: Callable[[Sequence[jax.Array]], BlockState]
 
 

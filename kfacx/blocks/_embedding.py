@@ -105,22 +105,27 @@ class EmbeddingKroneckerFactored(CurvatureBlock):
         if cache.inverse is None or cache.eigen is not None or cache.inverse_sqrt is not None:
             return None
         a, g = (f.value for f in state.factors)
-        d_a, d_g = self._split_damping(a, g, identity_weight)
+
+        def dampings(traces):
+            return self._split_damping(a, traces[0], g.shape[-1], identity_weight)[1:]
 
         def finish(inverses):
+            d_a = self._split_damping(a, jnp.trace(g), g.shape[-1], identity_weight)[0]
             pair = EmbeddingPair(1.0 / (linalg.clip_eigenvalues(a) + d_a), inverses[0])
             return state._replace(cache=cache._replace(inverse=pair))
 
-        return InverseRefresh((g,), (d_g,), finish)
+        return InverseRefresh((g,), dampings, finish)
 
-    def _split_damping(self, a, g, identity_weight):
+    def _split_damping(self, a, trace_g, dim_g, identity_weight):
         """Factored damping ``(d_a, d_g)``; ``d_a`` floored for the diagonal factor."""
         a = linalg.clip_eigenvalues(a)
-        d_a, d_g = linalg.pi_adjusted_damping(jnp.diag(a), g, identity_weight)
+        d_a, d_g = linalg.pi_damping_from_traces(
+            jnp.sum(a), trace_g, a.shape[-1], dim_g, identity_weight, a.dtype
+        )
         return linalg.floor_damping(d_a, jnp.sum(a), self.dtype), d_g
 
     def _approx_pair_now(self, a, g, identity_weight, power) -> EmbeddingPair:
-        d_a, d_g = self._split_damping(a, g, identity_weight)
+        d_a, d_g = self._split_damping(a, jnp.trace(g), g.shape[-1], identity_weight)
         a = linalg.clip_eigenvalues(a)
         if power == -1.0:
             return EmbeddingPair(1.0 / (a + d_a), linalg.psd_inverse(g, d_g))

@@ -126,12 +126,17 @@ class TwoKroneckerFactored(CurvatureBlock):
         if cache.inverse is None or cache.eigen is not None or cache.inverse_sqrt is not None:
             return None
         a, g = (f.value for f in state.factors)
-        d_a, d_g = linalg.pi_adjusted_damping(a, g, identity_weight)
+
+        def dampings(traces):
+            trace_a, trace_g = traces
+            return linalg.pi_damping_from_traces(
+                trace_a, trace_g, a.shape[-1], g.shape[-1], identity_weight, a.dtype
+            )
 
         def finish(inverses):
             return state._replace(cache=cache._replace(inverse=KroneckerPair(*inverses)))
 
-        return InverseRefresh((a, g), (d_a, d_g), finish)
+        return InverseRefresh((a, g), dampings, finish)
 
     @staticmethod
     def _approx_factors(a, g, identity_weight, power) -> KroneckerPair:
