@@ -159,7 +159,7 @@ def test_bucketed_refresh_repairs_a_failed_factor_the_same_way_on_every_device()
     )
     for d in range(N):
         jax.tree.map(
-            np.testing.assert_array_equal, serial, jax.tree.map(lambda x: x[d], distributed)
+            np.testing.assert_array_equal, serial, jax.tree.map(lambda x, d=d: x[d], distributed)
         )
 
 
