@@ -243,6 +243,31 @@ def _scaled_identity(m: jax.Array, d: jax.Array, power: float) -> jax.Array:
     return identity * jnp.power(d, power).astype(m.dtype)[..., None, None]
 
 
+def _check_stacks(matrices: Sequence[jax.Array], where: str, size: int | None = None) -> None:
+    """Raises a ValueError naming ``where`` unless ``matrices`` are stacks of square
+    matrices (no larger than ``size``)."""
+    for i, m in enumerate(matrices):
+        shape = tuple(np.shape(m))
+        if len(shape) < 2 or shape[-1] != shape[-2]:
+            raise ValueError(
+                f"{where}: matrices[{i}] has shape {shape}; expected a stack of square "
+                "matrices [..., n, n]."
+            )
+        if size is not None and shape[-1] > size:
+            raise ValueError(
+                f"{where}: matrices[{i}] is {shape[-1]} x {shape[-1]}, larger than the "
+                f"padded size {size}; pass size >= {shape[-1]} (see size_buckets)."
+            )
+
+
+def _check_dampings(matrices: Sequence[jax.Array], dampings: Sequence[Any], where: str) -> None:
+    if len(dampings) != len(matrices):
+        raise ValueError(
+            f"{where}: got {len(dampings)} dampings for {len(matrices)} matrices; pass one "
+            "damping (broadcastable to its stack shape) per stack of matrices."
+        )
+
+
 # ----------------------------------------------------------------------------- batched inverses
 
 
@@ -326,11 +351,15 @@ def floored_damping_vector(
     sequence (one per stack, broadcastable to its stack shape) or a function of
     the stacks' traces returning one.
     """
+    _check_stacks(matrices, "floored_damping_vector")
+    if not callable(dampings):
+        _check_dampings(matrices, dampings, "floored_damping_vector")
     if not matrices:
         return jnp.zeros((0,), jnp.float32)
     sums = _diagonal_sums_flat(matrices)
     if callable(dampings):
         dampings = dampings(_split_flat(sums[0], matrices))
+        _check_dampings(matrices, dampings, "floored_damping_vector (from the dampings function)")
     work = sums.dtype
     flat = jnp.concatenate(
         [
@@ -365,6 +394,8 @@ def floored_dampings(
     Returns:
       Per stack, its floored dampings ``[...]`` in its working dtype.
     """
+    _check_stacks(matrices, "floored_dampings")
+    _check_dampings(matrices, dampings, "floored_dampings")
     if abs_traces is None:
         abs_traces = diagonal_sums(matrices)[1]
     return [
@@ -393,6 +424,18 @@ def pad_stack(
     """Stacks ``matrices`` (``[..., n_i, n_i]``, ``n_i <= size``, one dtype) and their floored
     dampings (`floored_dampings`, or one flat ``[K]`` vector) into one `PaddedStack` in
     the working dtype."""
+    if not matrices:
+        raise ValueError("pad_stack: no matrices to stack.")
+    _check_stacks(matrices, "pad_stack", size)
+    count = sum(math.prod(np.shape(m)[:-2]) for m in matrices)
+    if isinstance(floors, jax.Array):
+        if floors.shape != (count,):
+            raise ValueError(
+                f"pad_stack: floors has shape {floors.shape}; a flat vector must have one "
+                f"entry per matrix, shape ({count},)."
+            )
+    else:
+        _check_dampings(matrices, floors, "pad_stack")
     work = _working_dtype(jnp.result_type(*matrices))
     padded, flat, sizes = [], [], []
     for i, m in enumerate(matrices):
@@ -428,6 +471,10 @@ def cholesky_inverse_padded(stack: PaddedStack) -> tuple[jax.Array, jax.Array]:
       dtype) says where the factorisation succeeded; elsewhere the inverse is NaN.
       Repair those with `repair_padded`, crop the rest with `crop_padded`.
     """
+    if not isinstance(stack, PaddedStack):
+        raise TypeError(
+            f"cholesky_inverse_padded takes a PaddedStack (from pad_stack), got {type(stack)}."
+        )
 
     def invert(args):
         m, d, n = args
@@ -513,6 +560,7 @@ def psd_inverse_padded(
       ``[K, size, size]`` in the working dtype (float32 or wider), where ``K``
       is the total number of matrices.
     """
+    _check_stacks(matrices, "psd_inverse_padded", size)
     floors = floored_dampings(matrices, dampings)
     stack = pad_stack(matrices, floors, size)
     inverses, ok = cholesky_inverse_padded(stack)

@@ -501,3 +501,27 @@ def test_psd_inverse_padded_equals_psd_inverse_of_each_matrix():
     jaxpr = str(jax.make_jaxpr(lambda *m: linalg.psd_inverse_padded(m, dampings, 5))(*matrices))
     single = str(jax.make_jaxpr(linalg.psd_inverse)(matrices[1], 1e-3))
     assert jaxpr.count("cholesky") == single.count("cholesky") and "scan" in jaxpr
+
+
+def test_padded_stack_functions_reject_bad_shapes_and_counts():
+    square = jnp.eye(3)
+    with pytest.raises(ValueError, match=r"pad_stack: matrices\[1\] is 5 x 5, larger than"):
+        linalg.pad_stack([square, jnp.eye(5)], [1.0, 1.0], 4)
+    with pytest.raises(ValueError, match=r"matrices\[0\] has shape \(3, 2\); expected a stack"):
+        linalg.pad_stack([jnp.ones((3, 2))], [1.0], 4)
+    with pytest.raises(ValueError, match="got 1 dampings for 2 matrices"):
+        linalg.pad_stack([square, square], [1.0], 4)
+    with pytest.raises(ValueError, match=r"floors has shape \(3,\); .* shape \(2,\)"):
+        linalg.pad_stack([square, square], jnp.ones(3), 4)
+    with pytest.raises(ValueError, match="no matrices"):
+        linalg.pad_stack([], [], 4)
+    with pytest.raises(TypeError, match="takes a PaddedStack"):
+        linalg.cholesky_inverse_padded(jnp.ones((1, 3, 3)))
+    with pytest.raises(ValueError, match="psd_inverse_padded: .* larger than the padded size 2"):
+        linalg.psd_inverse_padded([square], [1.0], 2)
+    with pytest.raises(ValueError, match="floored_damping_vector: got 2 dampings for 1"):
+        linalg.floored_damping_vector([square], [1.0, 2.0])
+    with pytest.raises(ValueError, match="from the dampings function"):
+        linalg.floored_damping_vector([square], lambda traces: [])
+    with pytest.raises(ValueError, match="floored_dampings: got 0 dampings for 1"):
+        linalg.floored_dampings([square], [])

@@ -260,8 +260,10 @@ class CurvatureBlock(abc.ABC):
         """`update_cache` as damped inverses, so that they can be batched across blocks.
 
         `kfacx.BlockDiagonalCurvature.update_cache` inverts the (nearly)
-        equal-sized matrices of all blocks together (`kfacx.linalg.psd_inverse_padded`):
-        one factorisation to compile and run per size instead of one per block.
+        equal-sized matrices of all blocks together, as padded stacks
+        (`kfacx.linalg.cholesky_inverse_padded`, with one shared fallback,
+        `kfacx.linalg.repair_padded`): one factorisation to compile and run per
+        size bucket instead of one per block.
         A block whose whole cache refresh is ``psd_inverse(m_i, d_i)`` of some
         matrices returns them here; the default, None, means the estimator calls
         `update_cache` instead. Both must give the same cache (to rounding).
@@ -419,6 +421,13 @@ class CurvatureBlock(abc.ABC):
             if getattr(cache, field) is not None:
                 cache = cache._replace(**{field: compute(power)})
         return cache
+
+    @staticmethod
+    def _inverse_only(cache: Any) -> bool:
+        """Whether ``cache`` holds the approximate inverse and nothing else to refresh
+        (no eigendecomposition, no inverse square root): the case `inverse_refresh`
+        can batch."""
+        return cache.inverse is not None and cache.eigen is None and cache.inverse_sqrt is None
 
     def _unsupported_power(self, power: float, how: str) -> ValueError:
         return ValueError(

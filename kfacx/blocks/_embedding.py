@@ -102,7 +102,7 @@ class EmbeddingKroneckerFactored(CurvatureBlock):
 
     def inverse_refresh(self, state: BlockState, identity_weight: Any) -> InverseRefresh | None:
         cache: EmbeddingCache = state.cache
-        if cache.inverse is None or cache.eigen is not None or cache.inverse_sqrt is not None:
+        if not self._inverse_only(cache):
             return None
         a, g = (f.value for f in state.factors)
 
