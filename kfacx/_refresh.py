@@ -65,24 +65,37 @@ def plan(
     ]
     owner_block = [i for i, p in enumerate(inverse_plans) if p is not None for _ in p.matrices]
     matrices = [m for p in inverse_plans if p is not None for m in p.matrices]
-    floors = _floors(inverse_plans, matrices)
-    # The barrier fixes how the matrices and floors are computed (XLA would otherwise
-    # simplify e.g. ``root / sqrt(x)`` differently depending on which other values use
-    # them), so that a bucket inverted alone or on its owner device (inside a
-    # `jax.lax.cond`) gives the same bits.
-    matrices, floors = jax.lax.optimization_barrier((matrices, floors))
-    runs, costs, unit_blocks, bucket_members = [], [], [], []
     groups: dict[Any, list[int]] = {}
     for k, m in enumerate(matrices):
         groups.setdefault(jnp.result_type(m), []).append(k)
+    bucket_members = []
     for members in groups.values():
         sizes = [matrices[k].shape[-1] for k in members]
         for size, picked in linalg.size_buckets(sizes):
-            chosen = [members[j] for j in picked]
-            runs.append(_bucket_run(matrices, floors, chosen, size))
-            costs.append(sum(math.prod(matrices[k].shape[:-2]) for k in chosen) * float(size) ** 3)
-            unit_blocks.append(tuple(sorted({owner_block[k] for k in chosen})))
-            bucket_members.append((chosen, size))
+            bucket_members.append(([members[j] for j in picked], size))
+    # Each bucket is padded into one stack and its traces are read from the stack (a
+    # kernel per bucket, not per matrix); the floored dampings form one vector.
+    stacks = [linalg.stack_padded([matrices[k] for k in c], size) for c, size in bucket_members]
+    entries = _entries(matrices)
+    sums = None
+    if stacks:
+        order = np.concatenate([entries[k] for c, _ in bucket_members for k in c])
+        sums = linalg.padded_diagonal_sums(stacks)[:, np.argsort(order)]
+    floors = _floors(inverse_plans, matrices, sums)
+    # The barrier fixes how the stacks and floors are computed (XLA would otherwise
+    # simplify e.g. ``root / sqrt(x)`` differently depending on which other values use
+    # them), so that a bucket inverted alone or on its owner device (inside a
+    # `jax.lax.cond`) gives the same bits.
+    stacks, floors = jax.lax.optimization_barrier((stacks, floors))
+    padded = [
+        _bucket_stack(stack, floors, [matrices[k] for k in chosen], [entries[k] for k in chosen])
+        for stack, (chosen, _) in zip(stacks, bucket_members, strict=True)
+    ]
+    runs, costs, unit_blocks = [], [], []
+    for build, (chosen, size) in zip(padded, bucket_members, strict=True):
+        runs.append(lambda build=build: linalg.cholesky_inverse_padded(build()))
+        costs.append(sum(math.prod(matrices[k].shape[:-2]) for k in chosen) * float(size) ** 3)
+        unit_blocks.append(tuple(sorted({owner_block[k] for k in chosen})))
     own = [i for i, p in enumerate(inverse_plans) if p is None]
     for i in own:
         runs.append(lambda b=blocks[i], s=states[i]: b.update_cache(s, identity_weight).cache)
@@ -90,15 +103,15 @@ def plan(
         unit_blocks.append((i,))
 
     def assemble(results: Sequence[Any]) -> tuple[BlockState, ...]:
-        stacks = [stack for stack, _ in results[: len(bucket_members)]]
-        if stacks:
-            stacks = linalg.repair_padded(
-                lambda: [_bucket_stack(matrices, floors, c, s) for c, s in bucket_members],
-                stacks,
+        inverted = [stack for stack, _ in results[: len(bucket_members)]]
+        if inverted:
+            inverted = linalg.repair_padded(
+                lambda: [build() for build in padded],
+                inverted,
                 [ok for _, ok in results[: len(bucket_members)]],
             )
         inverses: list[Any] = [None] * len(matrices)
-        for (chosen, _), stack in zip(bucket_members, stacks, strict=True):
+        for (chosen, _), stack in zip(bucket_members, inverted, strict=True):
             cropped = linalg.crop_padded(stack, [matrices[k] for k in chosen])
             for k, inverse in zip(chosen, cropped, strict=True):
                 inverses[k] = inverse
@@ -110,35 +123,87 @@ def plan(
     return RefreshPlan(tuple(runs), tuple(costs), tuple(unit_blocks), assemble)
 
 
-def _floors(inverse_plans: Sequence[InverseRefresh | None], matrices: list) -> jax.Array:
-    """Every matrix's floored damping, as one vector (diagonals summed in one pass)."""
-
-    def dampings(traces: list) -> list:
-        out, start = [], 0
-        for p in inverse_plans:
-            if p is None:
-                continue
-            count = len(p.matrices)
-            own = traces[start : start + count]
-            out.extend(p.dampings(tuple(own)) if callable(p.dampings) else p.dampings)
-            start += count
-        return out
-
-    return linalg.floored_damping_vector(matrices, dampings)
-
-
-def _bucket_stack(matrices: list, floors: jax.Array, chosen: list, size: int) -> linalg.PaddedStack:
-    """The bucket's matrices padded into one stack, with their floors."""
+def _entries(matrices: Sequence[jax.Array]) -> list[np.ndarray]:
+    """Per stack of matrices, the indices of its matrices in the flat vector of all."""
     offsets = np.cumsum([0] + [math.prod(m.shape[:-2]) for m in matrices])
-    index = np.concatenate([np.arange(offsets[k], offsets[k + 1]) for k in chosen])
-    own = floors[offsets[chosen[0]] : offsets[chosen[-1] + 1]]
-    if not np.array_equal(index, np.arange(index[0], index[-1] + 1)):
-        own = floors[index]
-    return linalg.pad_stack([matrices[k] for k in chosen], own, size)
+    return [np.arange(offsets[k], offsets[k + 1]) for k in range(len(matrices))]
 
 
-def _bucket_run(matrices: list, floors: list, chosen: list, size: int) -> Callable[[], Any]:
-    return lambda: linalg.cholesky_inverse_padded(_bucket_stack(matrices, floors, chosen, size))
+def _floors(
+    inverse_plans: Sequence[InverseRefresh | None], matrices: list, sums: jax.Array | None
+) -> jax.Array:
+    """Every matrix's floored damping as one vector, from the ``[2, K]`` diagonal sums,
+    with the pi split of every `linalg.PiDamping` pair vectorised."""
+    entries = _entries(matrices)
+    size = sum(len(e) for e in entries)
+    dims = np.array([m.shape[-1] for m, e in zip(matrices, entries, strict=True) for _ in e])
+    first, second = np.arange(size), np.arange(size)
+    is_pi = np.zeros(size, bool)
+    weights, others, k = [], [], 0  # others: (matrix index, the plan it belongs to)
+    for p in inverse_plans:
+        if p is None:
+            continue
+        n = len(p.matrices)
+        if isinstance(p.dampings, linalg.PiDamping):
+            if n != 2 or p.matrices[0].shape[:-2] != p.matrices[1].shape[:-2]:
+                raise ValueError(
+                    "InverseRefresh: PiDamping needs exactly two matrices (a Kronecker pair) "
+                    f"of the same stack shape; got shapes {[m.shape for m in p.matrices]}."
+                )
+            a, g = entries[k], entries[k + 1]
+            first[a], second[a], first[g], second[g] = a, g, a, g
+            is_pi[a] = is_pi[g] = True
+            weights += [(k, p.dampings.weight), (k + 1, p.dampings.weight)]
+        others += [(k + i, p) for i in range(n)]
+        k += n
+
+    def dampings(traces: jax.Array) -> jax.Array:
+        pieces, done = [], set()
+        for i, p in others:
+            if isinstance(p.dampings, linalg.PiDamping):
+                pieces.append(jnp.zeros((len(entries[i]),), traces.dtype))
+            elif id(p) not in done:  # the block's dampings, for all its matrices at once
+                done.add(id(p))
+                own = range(i, i + len(p.matrices))
+                values = p.dampings
+                if callable(values):
+                    values = values(tuple(linalg.split_flat(traces, [matrices[j] for j in own])))
+                for j, d in zip(own, values, strict=True):
+                    shape = matrices[j].shape[:-2]
+                    pieces.append(jnp.broadcast_to(jnp.asarray(d, traces.dtype), shape).reshape(-1))
+        if not is_pi.any():
+            return jnp.concatenate(pieces)
+        if len({id(w) for _, w in weights}) == 1:
+            weight = weights[0][1]
+        else:
+            parts = [
+                jnp.broadcast_to(jnp.asarray(w, traces.dtype), entries[i].shape) for i, w in weights
+            ]
+            weight = (
+                jnp.ones((size,), traces.dtype)
+                .at[np.flatnonzero(is_pi)]
+                .set(jnp.concatenate(parts))
+            )
+        split = linalg.pi_damping_vector(traces, dims, first, second, weight)
+        if is_pi.all():
+            return split
+        return jnp.where(jnp.asarray(is_pi), split, jnp.concatenate(pieces))
+
+    return linalg.floored_damping_vector(matrices, dampings, sums)
+
+
+def _bucket_stack(
+    stack: jax.Array, floors: jax.Array, matrices: list, entries: list
+) -> Callable[[], linalg.PaddedStack]:
+    """Builds the bucket's `linalg.PaddedStack` when called (in the owner's branch)."""
+    index = np.concatenate(entries)
+
+    def build() -> linalg.PaddedStack:
+        contiguous = np.array_equal(index, np.arange(index[0], index[-1] + 1))
+        own = floors[index[0] : index[-1] + 1] if contiguous else floors[index]
+        return linalg.PaddedStack(stack, own.astype(stack.dtype), linalg.stack_sizes(matrices))
+
+    return build
 
 
 def _finish(

@@ -312,7 +312,7 @@ def diagonal_sums(matrices: Sequence[jax.Array]) -> tuple[list[jax.Array], list[
       ``[...]`` in its working dtype (float32 or wider).
     """
     sums = _diagonal_sums_flat(matrices)
-    return _split_flat(sums[0], matrices), _split_flat(sums[1], matrices)
+    return split_flat(sums[0], matrices), split_flat(sums[1], matrices)
 
 
 def _diagonal_sums_flat(matrices: Sequence[jax.Array]) -> jax.Array:
@@ -324,14 +324,23 @@ def _diagonal_sums_flat(matrices: Sequence[jax.Array]) -> jax.Array:
     rows = []
     for m in matrices:
         n = m.shape[-1]
-        diagonal = jnp.diagonal(m, axis1=-2, axis2=-1).reshape(-1, n).astype(work)
+        diagonal = _diagonal(m).reshape(-1, n).astype(work)
         rows.append(jnp.pad(diagonal, ((0, 0), (0, width - n))))
     stacked = jnp.concatenate(rows)
     return jnp.sum(jnp.stack([stacked, jnp.abs(stacked)]), axis=-1)
 
 
-def _split_flat(flat: jax.Array, matrices: Sequence[jax.Array]) -> list[jax.Array]:
-    """A ``[K]`` vector over all matrices of all stacks, split into per-stack ``[...]`` arrays."""
+def _diagonal(m: jax.Array) -> jax.Array:
+    """The diagonals ``[..., n]`` of a stack ``[..., n, n]``, as a strided slice of the
+    flattened matrices (a slice fuses into its consumer; `jnp.diagonal` is a gather with
+    an index computation of its own)."""
+    n = m.shape[-1]
+    return m.reshape((*m.shape[:-2], n * n))[..., :: n + 1]
+
+
+def split_flat(flat: jax.Array, matrices: Sequence[jax.Array]) -> list[jax.Array]:
+    """A ``[K]`` vector over all matrices of all stacks, split into per-stack ``[...]`` arrays
+    (each in its stack's working dtype)."""
     out, start = [], 0
     for m in matrices:
         count = math.prod(m.shape[:-2])
@@ -343,30 +352,47 @@ def _split_flat(flat: jax.Array, matrices: Sequence[jax.Array]) -> list[jax.Arra
 
 def floored_damping_vector(
     matrices: Sequence[jax.Array],
-    dampings: Callable[[list[jax.Array]], Sequence[Any]] | Sequence[Any],
+    dampings: Callable[[jax.Array], Any] | Sequence[Any],
+    sums: jax.Array | None = None,
 ) -> jax.Array:
     """The floored dampings of all matrices of all stacks as one ``[K]`` vector.
 
-    Like `floored_dampings`, computed in one pass for all: ``dampings`` is a
-    sequence (one per stack, broadcastable to its stack shape) or a function of
-    the stacks' traces returning one.
+    Like `floored_dampings`, computed in one pass for all. ``dampings`` is a
+    sequence (one per stack, broadcastable to its stack shape), or a function
+    of the ``[K]`` vector of all the matrices' traces returning a ``[K]``
+    vector (or a scalar): e.g. `pi_damping_vector` (`split_flat` splits a flat
+    vector into the stacks' shapes). ``sums``: the ``[2, K]`` traces and sums of
+    ``|diag|`` of the matrices if already known (e.g. `padded_diagonal_sums`).
     """
     _check_stacks(matrices, "floored_damping_vector")
     if not callable(dampings):
         _check_dampings(matrices, dampings, "floored_damping_vector")
     if not matrices:
         return jnp.zeros((0,), jnp.float32)
-    sums = _diagonal_sums_flat(matrices)
+    work = _working_dtype(jnp.result_type(*matrices))
+    if sums is None:
+        sums = _diagonal_sums_flat(matrices)
+    count = sum(math.prod(m.shape[:-2]) for m in matrices)
+    if sums.shape != (2, count):
+        raise ValueError(
+            f"floored_damping_vector: sums has shape {sums.shape}; expected (2, {count}) "
+            "(traces and sums of |diag| of every matrix)."
+        )
+    sums = sums.astype(work)
     if callable(dampings):
-        dampings = dampings(_split_flat(sums[0], matrices))
-        _check_dampings(matrices, dampings, "floored_damping_vector (from the dampings function)")
-    work = sums.dtype
-    flat = jnp.concatenate(
-        [
-            jnp.broadcast_to(jnp.asarray(d, work), m.shape[:-2]).reshape(-1)
-            for m, d in zip(matrices, dampings, strict=True)
-        ]
-    )
+        flat = jnp.asarray(dampings(sums[0]), work)
+        if flat.shape not in ((), sums.shape[1:]):
+            raise ValueError(
+                f"floored_damping_vector: the dampings function returned shape {flat.shape}; "
+                f"it must return one damping per matrix, shape {sums.shape[1:]}, or a scalar."
+            )
+    else:
+        flat = jnp.concatenate(
+            [
+                jnp.broadcast_to(jnp.asarray(d, work), m.shape[:-2]).reshape(-1)
+                for m, d in zip(matrices, dampings, strict=True)
+            ]
+        )
     # min_damping's floor, with the eps and tiny of each matrix's own dtype.
     eps = np.concatenate(
         [np.full(math.prod(m.shape[:-2]), jnp.finfo(m.dtype).eps) for m in matrices]
@@ -437,30 +463,53 @@ def pad_stack(
     else:
         _check_dampings(matrices, floors, "pad_stack")
     work = _working_dtype(jnp.result_type(*matrices))
-    padded, flat, sizes = [], [], []
-    for i, m in enumerate(matrices):
-        n = m.shape[-1]
-        if not isinstance(floors, jax.Array):
-            flat.append(jnp.broadcast_to(jnp.asarray(floors[i], work), m.shape[:-2]).reshape(-1))
-        m = m.astype(work).reshape((-1, n, n))
-        padded.append(jnp.pad(m, ((0, 0), (0, size - n), (0, size - n))))
-        sizes.append(np.full(m.shape[0], n, np.int32))
     if isinstance(floors, jax.Array):
         flat_floors = floors.astype(work)
     else:
-        flat_floors = flat[0] if len(flat) == 1 else jnp.concatenate(flat)
-    return PaddedStack(
-        padded[0] if len(padded) == 1 else jnp.concatenate(padded),
-        flat_floors,
-        jnp.asarray(np.concatenate(sizes)),
-    )
+        flat_floors = jnp.concatenate(
+            [
+                jnp.broadcast_to(jnp.asarray(f, work), m.shape[:-2]).reshape(-1)
+                for f, m in zip(floors, matrices, strict=True)
+            ]
+        )
+    return PaddedStack(stack_padded(matrices, size), flat_floors, stack_sizes(matrices))
+
+
+def stack_padded(matrices: Sequence[jax.Array], size: int) -> jax.Array:
+    """``matrices`` (``[..., n_i, n_i]``, ``n_i <= size``) zero-padded below and right and
+    stacked: ``[K, size, size]`` in the working dtype (one fused kernel)."""
+    _check_stacks(matrices, "stack_padded", size)
+    work = _working_dtype(jnp.result_type(*matrices))
+    padded = []
+    for m in matrices:
+        n = m.shape[-1]
+        m = m.astype(work).reshape((-1, n, n))
+        padded.append(jnp.pad(m, ((0, 0), (0, size - n), (0, size - n))))
+    return padded[0] if len(padded) == 1 else jnp.concatenate(padded)
+
+
+def stack_sizes(matrices: Sequence[jax.Array]) -> jax.Array:
+    """``[K]`` int32: the size of each matrix of `stack_padded` ``(matrices)``."""
+    counts = [math.prod(m.shape[:-2]) for m in matrices]
+    return jnp.asarray(np.repeat([m.shape[-1] for m in matrices], counts).astype(np.int32))
+
+
+def padded_diagonal_sums(stacks: Sequence[jax.Array]) -> jax.Array:
+    """``[2, K]``: the traces and the sums of ``|diag|`` of the matrices of zero-padded
+    ``[K_i, n_i, n_i]`` stacks (`stack_padded`; the padding adds nothing), in order."""
+    return _diagonal_sums_flat(stacks)
 
 
 def _unpadded(m: jax.Array, d: jax.Array, n: jax.Array) -> jax.Array:
     """``m + diag(d on the first n entries, 1 on the padding)``: the damped matrix with an
-    identity block on the padding (which leaves the inverse of the top-left block alone)."""
-    diagonal = jnp.where(jnp.arange(m.shape[-1]) < n, d, jnp.ones((), m.dtype))
-    return m + jnp.diag(diagonal.astype(m.dtype))
+    identity block on the padding (which leaves the inverse of the top-left block alone).
+    Works on one matrix or on a stack (``d`` and ``n`` then ``[K]``)."""
+    size, lead = m.shape[-1], (1,) * (m.ndim - 2)
+    d, n = jnp.asarray(d, m.dtype)[..., None], jnp.asarray(n)[..., None]
+    index = jnp.arange(size).reshape(lead + (size,))
+    diagonal = jnp.where(index < n, d, jnp.ones((), m.dtype))  # [..., size]
+    eye = (jnp.arange(size)[:, None] == jnp.arange(size)[None, :]).reshape(lead + (size, size))
+    return m + jnp.where(eye, diagonal[..., None, :], jnp.zeros((), m.dtype))
 
 
 def cholesky_inverse_padded(stack: PaddedStack) -> tuple[jax.Array, jax.Array]:
@@ -476,14 +525,14 @@ def cholesky_inverse_padded(stack: PaddedStack) -> tuple[jax.Array, jax.Array]:
             f"cholesky_inverse_padded takes a PaddedStack (from pad_stack), got {type(stack)}."
         )
 
-    def invert(args):
-        m, d, n = args
-        out = _inverse_by_cholesky(_unpadded(m, d, n))
+    def invert(m):
+        out = _inverse_by_cholesky(m)
         return out, _finite(out, 2).astype(out.dtype)
 
-    # One matrix at a time (a loop, compiled once): batched LAPACK calls on the CPU can
-    # deadlock when several run at once.
-    return jax.lax.map(invert, tuple(stack))
+    # The damping is added to the whole stack at once (one fused kernel); then one matrix
+    # at a time (a loop, compiled once): batched LAPACK calls on the CPU can deadlock
+    # when several run at once.
+    return jax.lax.map(invert, _unpadded(*stack))
 
 
 def repair_padded(
@@ -656,6 +705,42 @@ def pi_adjusted_damping(
         damping,
         a.dtype,
     )
+
+
+class PiDamping(NamedTuple):
+    """The dampings of a Kronecker pair of factors ``(a, g)``: ``weight`` split between
+    them as `pi_adjusted_damping` splits it. A block's `kfacx.blocks.InverseRefresh`
+    can give this instead of the dampings, so that the refresh computes the split for
+    all blocks in one vectorised pass (`pi_damping_vector`)."""
+
+    weight: Any
+
+
+def pi_damping_vector(
+    traces: jax.Array, dims: np.ndarray, first: np.ndarray, second: np.ndarray, weight: Any
+) -> jax.Array:
+    """`pi_damping_from_traces` of many Kronecker pairs at once, over a flat vector.
+
+    Entry ``k`` belongs to the pair ``(first[k], second[k])`` (indices into the
+    same vector; ``k`` is one of them) and gets ``pi * sqrt(weight)`` if it is
+    the first factor and ``sqrt(weight) / pi`` if it is the second, with
+    ``pi = sqrt((traces[first] / dims[first]) / (traces[second] / dims[second]))``
+    (1 when a trace is zero or not finite).
+
+    Args:
+      traces: ``[K]`` traces of the factors.
+      dims: ``[K]`` their sizes (static).
+      first, second: ``[K]`` static indices of each entry's pair.
+      weight: the damping to split (a scalar or ``[K]``).
+    """
+    dims = np.asarray(dims)
+    norms = traces / jnp.asarray(dims, traces.dtype)
+    norm_a, norm_g = norms[np.asarray(first)], norms[np.asarray(second)]
+    ok = (norm_a > 0) & (norm_g > 0) & jnp.isfinite(norm_a) & jnp.isfinite(norm_g)
+    pi = jnp.sqrt(jnp.where(ok, norm_a / jnp.where(ok, norm_g, 1.0), 1.0))
+    root = jnp.sqrt(jnp.asarray(weight, traces.dtype))
+    is_first = jnp.asarray(np.asarray(first) == np.arange(len(dims)))
+    return jnp.where(is_first, pi * root, root / pi)
 
 
 def pi_damping_from_traces(

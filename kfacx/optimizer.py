@@ -45,6 +45,7 @@ from kfacx._configs import (
 )
 from kfacx._optax import precondition
 from kfacx._placement import Placement
+from kfacx.blocks._base import zeros
 from kfacx.estimator import (
     BlockDiagonalCurvature,
     CurvatureStats,
@@ -341,11 +342,11 @@ class Optimizer:
         est = self.estimator.init(rng, args)
         initial = self.damping.initial_damping
         return OptimizerState(
-            velocities=jax.tree.map(jnp.zeros_like, params),
+            velocities=jax.tree.map(lambda p: zeros(jnp.shape(p), jnp.result_type(p)), params),
             estimator_state=est,
             damping=jnp.asarray(0.0 if initial is None else initial, jnp.float32),
-            data_seen=jnp.zeros((), jnp.int32),
-            step_counter=jnp.zeros((), jnp.int32),
+            data_seen=zeros((), jnp.int32),
+            step_counter=zeros((), jnp.int32),
         )
 
     def _microbatch(self, batch):

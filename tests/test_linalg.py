@@ -473,9 +473,12 @@ def test_diagonal_sums_and_floored_damping_vector_match_each_matrix():
         for m, d in zip(matrices, dampings, strict=True)
     ]
     np.testing.assert_allclose(flat, np.concatenate(each), rtol=1e-6)
-    # The dampings may be a function of the traces.
-    by_trace = linalg.floored_damping_vector(matrices, lambda tr: [t * 0 + 0.25 for t in tr])
+    # The dampings may be a function of the flat vector of traces.
+    by_trace = linalg.floored_damping_vector(matrices, lambda tr: tr * 0 + 0.25)
     np.testing.assert_allclose(by_trace, 0.25)
+    traces_seen = []
+    linalg.floored_damping_vector(matrices, lambda tr: traces_seen.append(tr) or 1.0)
+    np.testing.assert_allclose(traces_seen[0], np.concatenate([np.ravel(t) for t in traces]))
     assert linalg.floored_damping_vector([], []).shape == (0,)
 
 
@@ -521,7 +524,27 @@ def test_padded_stack_functions_reject_bad_shapes_and_counts():
         linalg.psd_inverse_padded([square], [1.0], 2)
     with pytest.raises(ValueError, match="floored_damping_vector: got 2 dampings for 1"):
         linalg.floored_damping_vector([square], [1.0, 2.0])
-    with pytest.raises(ValueError, match="from the dampings function"):
-        linalg.floored_damping_vector([square], lambda traces: [])
+    with pytest.raises(ValueError, match=r"dampings function returned shape \(2,\); .* \(1,\)"):
+        linalg.floored_damping_vector([square], lambda traces: jnp.ones(2))
     with pytest.raises(ValueError, match="floored_dampings: got 0 dampings for 1"):
         linalg.floored_dampings([square], [])
+
+
+def test_pi_damping_vector_equals_the_split_of_each_pair():
+    """The vectorised pi split over a flat vector of traces equals
+    `pi_damping_from_traces` pair by pair, including the pi = 1 cases (a zero, negative
+    or non-finite trace)."""
+    traces_a = _f32([4.0, 0.0, 3.0, np.inf])
+    traces_g = _f32([0.5, 2.0, -1.0, 1.0])
+    dims_a, dims_g = 5, 3
+    # Flat layout: the four a-traces, then the four g-traces.
+    traces = jnp.concatenate([traces_a, traces_g])
+    a, g = np.arange(4), np.arange(4, 8)
+    first = np.concatenate([a, a])
+    second = np.concatenate([g, g])
+    dims = np.array([dims_a] * 4 + [dims_g] * 4)
+    got = linalg.pi_damping_vector(traces, dims, first, second, 0.3)
+    d_a, d_g = linalg.pi_damping_from_traces(traces_a, traces_g, dims_a, dims_g, 0.3, jnp.float32)
+    np.testing.assert_array_equal(got, np.concatenate([d_a, d_g]))
+    np.testing.assert_allclose(got[0] * got[4], 0.3, rtol=1e-6)
+    np.testing.assert_allclose(got[1:4], np.sqrt(0.3), rtol=1e-6)  # pi = 1

@@ -9,10 +9,21 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
 
 Params = tuple[jax.Array, ...]
+
+
+def zeros(shape: Sequence[int], dtype: Any) -> jax.Array:
+    """``jnp.zeros(shape, dtype)``; called eagerly (outside `jax.jit`, `jax.vmap`, ...),
+    it copies a NumPy array to the device instead of compiling a fill kernel for each
+    new shape, which keeps an eager `init` of a model's state fast."""
+    if type(jex.core.find_top_trace(())).__name__ == "EvalTrace":
+        return jax.device_put(np.zeros(tuple(shape), jnp.dtype(dtype)))
+    return jnp.zeros(shape, dtype)
+
 
 #: Cache fields of the approximate (factored-damping) powers a block can cache.
 APPROX_POWER_FIELDS = {-1.0: "inverse", -0.5: "inverse_sqrt"}
@@ -105,7 +116,7 @@ class WeightedMovingAverage(NamedTuple):
     @classmethod
     def zeros(cls, shape: Sequence[int], dtype: Any) -> WeightedMovingAverage:
         """A moving average with no data yet."""
-        return cls(jnp.zeros((), dtype), jnp.zeros(shape, dtype))
+        return cls(zeros((), dtype), zeros(shape, dtype))
 
     @property
     def value(self) -> jax.Array:
@@ -140,14 +151,16 @@ class InverseRefresh(NamedTuple):
       matrices: stacks of symmetric PSD matrices ``[..., n, n]``.
       dampings: for each, a damping broadcastable to its leading (stack) axes; or
         a function ``traces -> dampings`` of the matrices' traces (``[...]``
-        each), which the refresh computes for all blocks in one pass (e.g. for
-        the factored "pi" damping, `kfacx.linalg.pi_damping_from_traces`).
+        each), which the refresh computes for all blocks in one pass (e.g.
+        `kfacx.linalg.pi_damping_from_traces`); or, for a Kronecker pair
+        ``(a, g)``, `kfacx.linalg.PiDamping` ``(weight)``: the factored "pi"
+        damping, computed for all blocks' pairs in one vectorised pass.
       finish: ``inverses -> BlockState``: the new state from
         ``psd_inverse(matrices[i], dampings[i])`` for every ``i``.
     """
 
     matrices: tuple[jax.Array, ...]
-    dampings: tuple[Any, ...] | Callable[[tuple[jax.Array, ...]], tuple[Any, ...]]
+    dampings: tuple[Any, ...] | Callable[[tuple[jax.Array, ...]], tuple[Any, ...]] | Any
     finish: Callable[[Sequence[jax.Array]], BlockState]
 
 

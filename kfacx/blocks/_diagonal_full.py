@@ -23,6 +23,7 @@ from kfacx.blocks._base import (
     cast_to,
     flatten_params,
     unflatten_params,
+    zeros,
 )
 
 
@@ -108,7 +109,7 @@ class _AbstractFull(CurvatureBlock):
     def init_cache(self, exact_powers_to_cache, approx_powers_to_cache, cache_eigenvalues):
         if not (exact_powers_to_cache or approx_powers_to_cache or cache_eigenvalues):
             return None
-        return FullEigen(jnp.zeros((self.dim,), self.dtype), jnp.zeros((self.dim,) * 2, self.dtype))
+        return FullEigen(zeros((self.dim,), self.dtype), zeros((self.dim,) * 2, self.dtype))
 
     def update_cache(self, state, identity_weight):
         if state.cache is None:

@@ -22,6 +22,7 @@ from kfacx.blocks._base import (
     LayerInfo,
     cast_to,
     row_mask,
+    zeros,
 )
 
 
@@ -83,11 +84,11 @@ class EmbeddingKroneckerFactored(CurvatureBlock):
         v, d = self.vocab, self.width
         pairs = self._approx_cache_fields(
             approx_powers_to_cache,
-            lambda: EmbeddingPair(jnp.zeros((v,), self.dtype), jnp.zeros((d, d), self.dtype)),
+            lambda: EmbeddingPair(zeros((v,), self.dtype), zeros((d, d), self.dtype)),
         )
         eigen = None
         if exact_powers_to_cache or cache_eigenvalues:
-            eigen = EmbeddingEigen(jnp.zeros((d,), self.dtype), jnp.zeros((d, d), self.dtype))
+            eigen = EmbeddingEigen(zeros((d,), self.dtype), zeros((d, d), self.dtype))
         return EmbeddingCache(eigen=eigen, **pairs)
 
     def update_cache(self, state: BlockState, identity_weight: Any) -> BlockState:

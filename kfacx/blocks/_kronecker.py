@@ -31,6 +31,7 @@ from kfacx.blocks._base import (
     Params,
     cast_to,
     row_mask,
+    zeros,
 )
 
 
@@ -99,16 +100,16 @@ class TwoKroneckerFactored(CurvatureBlock):
 
     def init_cache(self, exact_powers_to_cache, approx_powers_to_cache, cache_eigenvalues):
         (g, n, _), (_, m, _) = self.factor_shapes()
-
-        def zeros(*shape):
-            return jnp.zeros(shape, self.dtype)
-
+        dt = self.dtype
         pairs = self._approx_cache_fields(
-            approx_powers_to_cache, lambda: KroneckerPair(zeros(g, n, n), zeros(g, m, m))
+            approx_powers_to_cache,
+            lambda: KroneckerPair(zeros((g, n, n), dt), zeros((g, m, m), dt)),
         )
         eigen = None
         if exact_powers_to_cache or cache_eigenvalues:
-            eigen = KroneckerEigen(zeros(g, n), zeros(g, n, n), zeros(g, m), zeros(g, m, m))
+            eigen = KroneckerEigen(
+                zeros((g, n), dt), zeros((g, n, n), dt), zeros((g, m), dt), zeros((g, m, m), dt)
+            )
         return KroneckerCache(eigen=eigen, **pairs)
 
     def update_cache(self, state: BlockState, identity_weight: Any) -> BlockState:
@@ -127,16 +128,10 @@ class TwoKroneckerFactored(CurvatureBlock):
             return None
         a, g = (f.value for f in state.factors)
 
-        def dampings(traces):
-            trace_a, trace_g = traces
-            return linalg.pi_damping_from_traces(
-                trace_a, trace_g, a.shape[-1], g.shape[-1], identity_weight, a.dtype
-            )
-
         def finish(inverses):
             return state._replace(cache=cache._replace(inverse=KroneckerPair(*inverses)))
 
-        return InverseRefresh((a, g), dampings, finish)
+        return InverseRefresh((a, g), linalg.PiDamping(identity_weight), finish)
 
     @staticmethod
     def _approx_factors(a, g, identity_weight, power) -> KroneckerPair:

@@ -207,6 +207,10 @@ def _chains_from(graph: _Graph, var) -> list[Any]:
     return out
 
 
+#: XLA options for the check's one-off functions: compile fast, run slow (they run once).
+_FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
 def _verified(match: Match, graph: _Graph) -> bool:
     """Numerical check: the matched equations equal the tag's compute function."""
     compute = match.pattern.tag_primitive.compute
@@ -223,7 +227,8 @@ def _verified(match: Match, graph: _Graph) -> bool:
     with jax.ensure_compile_time_eval():
         inputs = [sample(v) for v in match.input_vars]
         params = [sample(v) for v in match.param_vars]
-        try:
+
+        def evaluate(inputs, params):
             want = _evaluate_subgraph(
                 graph,
                 match.eqns,
@@ -233,8 +238,13 @@ def _verified(match: Match, graph: _Graph) -> bool:
                 params,
                 match.output_var,
             )
-            tag_inputs = match.pattern.tag_inputs(inputs)
-            (got,) = compute(tag_inputs, tuple(params), **match.meta)
+            (got,) = compute(match.pattern.tag_inputs(inputs), tuple(params), **match.meta)
+            return want, got
+
+        try:
+            # One compiled function for both sides (evaluating op by op compiles each
+            # operation on its own, several times slower).
+            want, got = jax.jit(evaluate, compiler_options=_FAST_COMPILE)(inputs, params)
         except (TypeError, ValueError, KeyError):
             return False
         if np.shape(got) != np.shape(want):

@@ -191,7 +191,8 @@ def test_transposed_weight_is_a_dense_layer():
 
 def test_tied_weights_keep_value_and_gradient():
     params, batch = M.tied_params(), M.two_layer_batch(d_out=4)
-    tagged, _ = auto_register_tags(M.tied_loss, (params, batch))
+    with pytest.warns(UserWarning, match=r"reuses parameters .*\['tied_w'\]"):
+        tagged, _ = auto_register_tags(M.tied_loss, (params, batch))
     np.testing.assert_allclose(tagged(params, batch), M.tied_loss(params, batch), **TOL)
     assert_trees_close(jax.grad(tagged)(params, batch), jax.grad(M.tied_loss)(params, batch))
 
