@@ -82,15 +82,18 @@ def plan(
         order = np.concatenate([entries[k] for c, _ in bucket_members for k in c])
         sums = linalg.padded_diagonal_sums(stacks)[:, np.argsort(order)]
     floors = _floors(inverse_plans, matrices, sums)
+    if stacks:  # In bucket order: each bucket's floors are a slice.
+        floors = floors[order] if not np.array_equal(order, np.arange(len(order))) else floors
     # The barrier fixes how the stacks and floors are computed (XLA would otherwise
     # simplify e.g. ``root / sqrt(x)`` differently depending on which other values use
     # them), so that a bucket inverted alone or on its owner device (inside a
     # `jax.lax.cond`) gives the same bits.
     stacks, floors = jax.lax.optimization_barrier((stacks, floors))
-    padded = [
-        _bucket_stack(stack, floors, [matrices[k] for k in chosen], [entries[k] for k in chosen])
-        for stack, (chosen, _) in zip(stacks, bucket_members, strict=True)
-    ]
+    padded, start = [], 0
+    for stack, (chosen, _) in zip(stacks, bucket_members, strict=True):
+        like = [matrices[k] for k in chosen]
+        padded.append(_bucket_stack(stack, floors[start : start + stack.shape[0]], like))
+        start += stack.shape[0]
     runs, costs, unit_blocks = [], [], []
     for build, (chosen, size) in zip(padded, bucket_members, strict=True):
         runs.append(lambda build=build: linalg.cholesky_inverse_padded(build()))
@@ -193,17 +196,12 @@ def _floors(
 
 
 def _bucket_stack(
-    stack: jax.Array, floors: jax.Array, matrices: list, entries: list
+    stack: jax.Array, floors: jax.Array, matrices: list
 ) -> Callable[[], linalg.PaddedStack]:
     """Builds the bucket's `linalg.PaddedStack` when called (in the owner's branch)."""
-    index = np.concatenate(entries)
-
-    def build() -> linalg.PaddedStack:
-        contiguous = np.array_equal(index, np.arange(index[0], index[-1] + 1))
-        own = floors[index[0] : index[-1] + 1] if contiguous else floors[index]
-        return linalg.PaddedStack(stack, own.astype(stack.dtype), linalg.stack_sizes(matrices))
-
-    return build
+    return lambda: linalg.PaddedStack(
+        stack, floors.astype(stack.dtype), linalg.stack_sizes(matrices)
+    )
 
 
 def _finish(
