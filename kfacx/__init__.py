@@ -6,6 +6,7 @@ register the loss on the model output, and precondition gradients with
 """
 
 from kfacx import blocks, graph_matcher, linalg, losses, parallel, tags, tracer
+from kfacx._compile import fast_compile_options
 from kfacx._optax import (
     AccumulateCurvatureStatsState,
     ScaleByKfacState,
@@ -108,6 +109,7 @@ __all__ = [
     "TwoKroneckerFactored",
     "auto_register_tags",
     "blocks",
+    "fast_compile_options",
     "graph_matcher",
     "layer_tags_vjp",
     "linalg",

@@ -22,7 +22,7 @@ processes' devices.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -48,7 +48,19 @@ class Placement:
         data_axis_name: str | None,
         use_shard_map: bool,
         distributed_inverses: bool,
+        compiler_options: Mapping[str, Any] | None = None,
     ):
+        if compiler_options is not None and not isinstance(compiler_options, Mapping):
+            raise TypeError(
+                "compiler_options must be a dict of XLA options (e.g. "
+                f"kfacx.fast_compile_options()), got {type(compiler_options).__name__}."
+            )
+        if compiler_options and multi_device:
+            raise ValueError(
+                "compiler_options apply to jax.jit; the multi_device=True (jax.pmap) step "
+                "cannot take them. Use mesh= (sharded jax.jit) instead of multi_device."
+            )
+        self.compiler_options = dict(compiler_options or {})
         if mesh is not None and not isinstance(mesh, Mesh):
             raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
         if mesh is not None and multi_device:
@@ -142,7 +154,7 @@ class Placement:
             return jax.pmap(fn, axis_name=self.axis_name)
         if self.mesh is None:
             return fn
-        return jax.jit(fn, out_shardings=self.replicated())
+        return self._jit(fn, out_shardings=self.replicated())
 
     def stage(
         self, fn: Callable[..., Any], num_args: int, debug: bool, has_aux: bool = False
@@ -158,12 +170,12 @@ class Placement:
         if debug and self.kind in ("single", "pmap"):
             return fn
         if self.kind == "single":
-            return jax.jit(fn)
+            return self._jit(fn)
         if self.kind == "pmap":
             in_axes = (0,) * 5 + (None,) * (num_args - 5)
             return jax.pmap(fn, axis_name=self.axis_name, in_axes=in_axes)
         if self.kind == "mesh":
-            return fn if debug else jax.jit(fn, out_shardings=self.replicated())
+            return fn if debug else self._jit(fn, out_shardings=self.replicated())
         axis = self.axis_name
 
         def local(*args):
@@ -191,7 +203,12 @@ class Placement:
                 return out
             return (*out[:-1], {**out[-1], "aux": aux})
 
-        return staged if debug else jax.jit(staged)
+        return staged if debug else self._jit(staged)
+
+    def _jit(self, fn: Callable[..., Any], **kwargs: Any) -> Callable[..., Any]:
+        if self.compiler_options:
+            kwargs["compiler_options"] = self.compiler_options
+        return jax.jit(fn, **kwargs)
 
     # ---------------------------------------------------------------- distributed refresh
 

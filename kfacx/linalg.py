@@ -25,10 +25,11 @@ curvature block (see ``docs/numerics.md``):
   finite either (e.g. ``m`` has NaN entries), ``(1 / damping) I``. The fallback
   is a `jax.lax.cond`, so it costs nothing when no matrix needs it (under
   `jax.vmap` the condition is batched and both branches run).
-- **Many matrices at once.** `size_buckets`, `pad_stack`,
+- **Many matrices at once.** `size_buckets`, `stack_padded` / `pad_stack`,
   `cholesky_inverse_padded` and `repair_padded` invert the factors of many
   blocks in a few loops (one per size bucket) with one shared fallback;
-  `diagonal_sums` and `floored_damping_vector` compute their traces and damping
+  `padded_diagonal_sums` (or `diagonal_sums`), `pi_damping_vector` and
+  `floored_damping_vector` compute their traces, pi-split dampings and damping
   floors in one pass. XLA compiles a kernel per distinct shape and operation
   (about 20 ms each on the CPU, several times more for small matrices), so
   this is what keeps the compilation of a K-FAC step short.

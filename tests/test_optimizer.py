@@ -501,6 +501,12 @@ def test_flat_kwargs_fill_the_configs():
         (dict(estimation_mode="fisher"), ValueError, "estimation_mode"),
         (dict(min_damping=2.0, max_damping=1.0), ValueError, "min_damping"),
         (dict(curvature=dict(curvature_ema=0.9)), TypeError, "CurvatureConfig"),
+        (dict(compiler_options="fast"), TypeError, "compiler_options must be a dict"),
+        (
+            dict(compiler_options={"xla_backend_optimization_level": 1}, multi_device=True),
+            ValueError,
+            "cannot take them",
+        ),
     ],
 )
 def test_bad_options_raise_clear_errors(kwargs, error, match):
@@ -696,3 +702,22 @@ def test_non_scalar_loss_is_a_clear_error():
     estimator.init(jax.random.key(0), (params, batch))
     with pytest.raises(ValueError, match="scalar float loss"):
         estimator.value_grads_and_curvature_stats(jax.random.key(0), (params, batch))
+
+
+def test_fast_compile_options_reach_the_step_and_change_nothing_but_rounding():
+    """The options are handed to XLA (an unknown one is rejected at compilation), and
+    the step they compile equals the default one to float32 rounding."""
+    options = kfacx.fast_compile_options()
+    assert options == {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 1}
+    assert kfacx.fast_compile_options("gpu") == {}
+    params, batch = make_params(), make_batch()
+    kwargs = dict(learning_rate_schedule=0.1, momentum_schedule=0.5, damping_schedule=1e-2)
+
+    def make(**extra):
+        return kfacx.Optimizer(jax.value_and_grad(mlp_loss), **DETERMINISTIC, **kwargs, **extra)
+
+    default = run(make(), params, batch, 3)
+    fast = run(make(compiler_options=options), params, batch, 3)
+    assert_trees_close(fast[:2], default[:2], rtol=1e-5, atol=1e-6)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="xla_no_such_option"):
+        run(make(compiler_options={"xla_no_such_option": 1}), params, batch, 1)
