@@ -548,3 +548,17 @@ def test_pi_damping_vector_equals_the_split_of_each_pair():
     np.testing.assert_array_equal(got, np.concatenate([d_a, d_g]))
     np.testing.assert_allclose(got[0] * got[4], 0.3, rtol=1e-6)
     np.testing.assert_allclose(got[1:4], np.sqrt(0.3), rtol=1e-6)  # pi = 1
+
+
+def test_stack_padded_and_pi_damping_reject_bad_input():
+    from kfacx import _refresh
+    from kfacx.blocks import InverseRefresh
+
+    with pytest.raises(ValueError, match=r"stack_padded: matrices\[0\] is 3 x 3, larger than"):
+        linalg.stack_padded([jnp.eye(3)], 2)
+    lone = InverseRefresh((jnp.eye(3),), linalg.PiDamping(1.0), lambda inverses: None)
+    with pytest.raises(ValueError, match="PiDamping needs exactly two matrices"):
+        _refresh._floors([lone], [jnp.eye(3)], None)
+    # Sums and padded stacks agree with the unpadded diagonals.
+    stacks = [linalg.stack_padded([_f32(np.diag([1.0, -2.0]))], 4)]
+    np.testing.assert_allclose(linalg.padded_diagonal_sums(stacks), [[-1.0], [3.0]])
