@@ -140,6 +140,8 @@ def run(library: str, config: str, steps: int, fast_compile: bool = False) -> di
     options, values = _options(config)
     if fast_compile:
         options["compiler_options"] = lib.fast_compile_options()
+    if library == "kfacx":  # kfac-jax estimates the curvature on the whole batch
+        options["curvature_batch_fraction"] = 1.0
     period = options["inverse_update_period"]
     steps = max(period, steps // period * period)
     opt = lib.Optimizer(value_and_grad_func=jax.value_and_grad(loss_fn), **options)

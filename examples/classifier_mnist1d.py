@@ -1,13 +1,14 @@
-"""A 1-D CNN on MNIST-1D: kfacx.Optimizer against Adam (best learning rate of a small grid).
+"""A 1-D CNN on MNIST-1D: kfacx.Optimizer against first-order methods (best rate of a grid each).
 
 The model is three Haiku `hk.Conv1D` layers with ReLU and a dense head on the
 40-sample MNIST-1D sequences (generated offline: 4,000 training and 1,000 test
 examples). kfacx finds the convolutions and the dense layer itself; the
 registration report is printed and checked (every parameter must be matched to
 a conv or dense layer tag). `kfacx.Optimizer` chooses its learning rate,
-momentum and damping each step; Adam is run once per learning rate of the grid
-(``--adam-lrs``) and the one with the lowest final training loss (on the whole
-training set) is reported. All runs see the same batches in the same order
+momentum and damping each step; Adam, SGD-Nesterov, Muon, schedule-free AdamW
+and Sophia (``--first-order``) are each run once per learning rate of their grid
+(``--adam-lrs``, ``--muon-lrs``, ...) and the one with the lowest final training
+loss (on the whole training set) is reported. All runs see the same batches in the same order
 from the same initial parameters.
 
 The clock of the loss-vs-seconds plot starts when each optimizer's first step
@@ -61,6 +62,15 @@ def evaluate(params, x, labels):
     return common.classification_metrics(net.apply(params, x), labels)
 
 
+GRIDS = {  # learning rates tried per first-order method; the best final training loss counts
+    "adam": [1e-3, 3e-3, 1e-2],
+    "sgd": [1e-2, 3e-2, 1e-1],
+    "muon": [3e-3, 1e-2, 3e-2],
+    "sfadamw": [1e-3, 3e-3, 1e-2],
+    "sophia": [3e-4, 1e-3, 3e-3],
+}
+
+
 def check_report(report) -> str:
     """Every parameter is matched to a conv or dense tag; returns a one-line account."""
     tags = {e.path: e.tag for e in report.entries}
@@ -90,7 +100,6 @@ def run_kfac(params, train, order, args):
         use_adaptive_momentum=True,
         use_adaptive_damping=True,
         initial_damping=1.0,
-        min_damping=1e-4,
     )
     rng = jax.random.key(args.seed)
     x, y = train
@@ -120,27 +129,22 @@ def run_kfac(params, train, order, args):
     return params, curve, seconds, extra
 
 
-def run_adam(params, train, order, learning_rate, args):
-    adam = optax.adam(learning_rate)
-
-    @jax.jit
-    def step_fn(params, state, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-        updates, state = adam.update(grads, state, params)
-        return optax.apply_updates(params, updates), state, loss
-
+def run_first_order(name, params, train, order, learning_rate, args):
+    """A first-order method (`common.first_order`) at one learning rate."""
+    step_fn, tx = common.optax_step(name, learning_rate, loss_fn)
+    label = f"{name} lr={learning_rate:g}"
     x, y = train
-    state = adam.init(params)
-    curve = common.Curve(f"adam lr={learning_rate:g}")
+    state = tx.init(params)
+    curve = common.Curve(label)
     start = time.perf_counter()
-    bar = common.progress(range(args.steps), f"adam lr={learning_rate:g}", enabled=args.progress)
+    bar = common.progress(range(args.steps), label, enabled=args.progress)
     for step in bar:
         idx = order[step]
         params, state, loss = step_fn(params, state, (x[idx], y[idx]))
         loss = float(loss)
         curve.add(step, loss)
         bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
-    return params, curve, time.perf_counter() - start
+    return common.eval_params(name, state, params), curve, time.perf_counter() - start
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -149,11 +153,21 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--steps", type=int, default=1000, help="training steps (default 1000)")
     parser.add_argument("--batch-size", type=int, default=128, help="batch size (default 128)")
+    rates = lambda s: [float(v) for v in s.split(",")]  # noqa: E731
+    for name, default in GRIDS.items():
+        parser.add_argument(
+            f"--{name}-lrs",
+            type=rates,
+            default=default,
+            help=f"comma-separated {name} learning rates to try (default "
+            f"{','.join(f'{v:g}' for v in default)})",
+        )
     parser.add_argument(
-        "--adam-lrs",
-        type=lambda s: [float(v) for v in s.split(",")],
-        default=[1e-3, 3e-3, 1e-2],
-        help="comma-separated Adam learning rates to try (default 1e-3,3e-3,1e-2)",
+        "--first-order",
+        type=lambda s: s.split(","),
+        default=list(common.FIRST_ORDER_NAMES),
+        help="comma-separated first-order methods next to adam (default: all of "
+        f"{','.join(common.FIRST_ORDER_NAMES)})",
     )
     parser.add_argument("--l2-reg", type=float, default=1e-5, help="kfacx l2_reg (default 1e-5)")
     parser.add_argument("--seed", type=int, default=0, help="initialisation and data order seed")
@@ -178,39 +192,39 @@ def main(argv: list[str] | None = None) -> None:
     )
 
     kfac_params, kfac_curve, kfac_seconds, kfac_extra = run_kfac(params, train, order, args)
-    adam_runs = {}
-    for lr in args.adam_lrs:
-        adam_params, curve, seconds = run_adam(params, train, order, lr, args)
-        train_loss = float(evaluate(adam_params, *train)[0])
-        adam_runs[lr] = (train_loss, adam_params, curve, seconds)
-    # The best Adam by final training loss (a NaN loss never wins).
-    best_lr = min(adam_runs, key=lambda lr: (not math.isfinite(adam_runs[lr][0]), adam_runs[lr][0]))
-    _, adam_params, adam_curve, adam_seconds = adam_runs[best_lr]
-
     kfac_train_loss, kfac_train_acc = map(float, evaluate(kfac_params, *train))
     kfac_test_loss, kfac_test_acc = map(float, evaluate(kfac_params, *test))
-    adam_train_loss, adam_train_acc = map(float, evaluate(adam_params, *train))
-    adam_test_loss, adam_test_acc = map(float, evaluate(adam_params, *test))
-
-    curves = [kfac_curve] + [adam_runs[lr][2] for lr in args.adam_lrs]
-    common.plot_curves(curves, args.plot, "MNIST-1D, 1-D CNN: training loss (per batch)")
-
-    grid = ", ".join(f"{lr:g}: {adam_runs[lr][0]:.4g}" for lr in args.adam_lrs)
-    name = f"adam lr={best_lr:g}"
-    width = max(len("kfacx"), len(name))
     print(f"\nsummary ({args.steps} steps, batch {args.batch_size}):")
+    width = 22
     print(
         f"  {'kfacx':<{width}}  final train loss {kfac_train_loss:.4f}  "
         f"train accuracy {kfac_train_acc:.3f}  test loss {kfac_test_loss:.4f}  "
         f"test accuracy {kfac_test_acc:.3f}  time {kfac_seconds:.1f} s"
     )
-    print(
-        f"  {name:<{width}}  final train loss {adam_train_loss:.4f}  "
-        f"train accuracy {adam_train_acc:.3f}  test loss {adam_test_loss:.4f}  "
-        f"test accuracy {adam_test_acc:.3f}  time {adam_seconds:.1f} s"
-    )
+    curves, grids = [kfac_curve], []
+    for name in dict.fromkeys(["adam", *args.first_order]):
+        if name not in common.FIRST_ORDER_NAMES:
+            parser.error(f"--first-order: unknown method {name!r}")
+        runs = {}
+        for lr in getattr(args, f"{name}_lrs"):
+            run_params, curve, seconds = run_first_order(name, params, train, order, lr, args)
+            runs[lr] = (float(evaluate(run_params, *train)[0]), run_params, curve, seconds)
+            curves.append(curve)
+        # The best learning rate by final training loss (a NaN loss never wins).
+        best = min(runs, key=lambda lr: (not math.isfinite(runs[lr][0]), runs[lr][0]))
+        _, best_params, _, seconds = runs[best]
+        train_loss, train_acc = map(float, evaluate(best_params, *train))
+        test_loss, test_acc = map(float, evaluate(best_params, *test))
+        print(
+            f"  {f'{name} lr={best:g}':<{width}}  final train loss {train_loss:.4f}  "
+            f"train accuracy {train_acc:.3f}  test loss {test_loss:.4f}  "
+            f"test accuracy {test_acc:.3f}  time {seconds:.1f} s"
+        )
+        grid = ", ".join(f"{lr:g}: {runs[lr][0]:.4g}" for lr in runs)
+        grids.append(f"  {name} learning rate chosen: {best:g} (final train loss by lr: {grid})")
     print(f"  kfacx: {kfac_extra}")
-    print(f"  adam learning rate chosen: {best_lr:g} (final train loss by lr: {grid})")
+    print("\n".join(grids))
+    common.plot_curves(curves, args.plot, "MNIST-1D, 1-D CNN: training loss (per batch)")
     print(f"  plot: {args.plot}")
 
 

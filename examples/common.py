@@ -96,3 +96,65 @@ def plot_curves(curves: list[Curve], path: str, title: str, log_scale: bool = Tr
     fig.suptitle(title)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+# First-order methods the examples and benchmarks compare K-FAC with: name ->
+# (label, ``learning_rate -> optax.GradientTransformation``).
+FIRST_ORDER_NAMES = ("adam", "sgd", "muon", "sfadamw", "sophia")
+
+
+def first_order(name: str, learning_rate: float):
+    """The label and the optax transformation of a first-order method at a learning rate.
+
+    ``adam``, ``sgd`` (Nesterov momentum 0.9), ``muon`` (``optax.contrib.muon``:
+    orthogonalised momentum for matrices, Adam for the rest), ``sfadamw``
+    (``optax.contrib.schedule_free_adamw``; evaluate at `eval_params`) and
+    ``sophia`` (``optax.contrib.sophia``, which needs ``obj_fn``: see `optax_step`).
+    """
+    import optax
+
+    makers = {
+        "adam": ("Adam", optax.adam),
+        "sgd": ("SGD-Nesterov", lambda lr: optax.sgd(lr, momentum=0.9, nesterov=True)),
+        "muon": ("Muon", optax.contrib.muon),
+        "sfadamw": ("schedule-free AdamW", optax.contrib.schedule_free_adamw),
+        "sophia": ("Sophia", optax.contrib.sophia),
+    }
+    if name not in makers:
+        raise ValueError(f"unknown first-order method {name!r}; choose from {FIRST_ORDER_NAMES}")
+    label, make = makers[name]
+    return label, make(learning_rate)
+
+
+def optax_step(name: str, learning_rate: float, loss_fn, l2_reg: float = 0.0):
+    """``(step, tx)``: a jitted ``step(params, state, batch) -> (params, state, loss)`` of
+    ``first_order(name, learning_rate)`` on ``loss_fn(params, batch)``, with ``l2_reg`` as
+    decayed weights (the gradient of ``l2_reg / 2 * |params|^2``), and its transformation."""
+    import jax
+    import optax
+
+    _, tx = first_order(name, learning_rate)
+    if l2_reg:
+        tx = optax.chain(optax.add_decayed_weights(l2_reg), tx)
+
+    @jax.jit
+    def step(params, state, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        extra = {}
+        if name == "sophia":  # its Hutchinson estimate of the Hessian diagonal needs the loss
+            extra["obj_fn"] = lambda p: loss_fn(p, batch)
+        updates, state = tx.update(grads, state, params, **extra)
+        return optax.apply_updates(params, updates), state, loss
+
+    return step, tx
+
+
+def eval_params(name: str, state, params):
+    """The parameters to evaluate: schedule-free AdamW's averaged point, else ``params``."""
+    if name != "sfadamw":
+        return params
+    import optax
+
+    if not isinstance(state, optax.contrib.ScheduleFreeState):  # chained after the L2 term
+        state = state[-1]
+    return optax.contrib.schedule_free_eval_params(state, params)

@@ -34,6 +34,7 @@ import numpy as np
 
 from kfacx import _checks, tracer
 from kfacx._configs import (
+    AUTO_CURVATURE_EXAMPLES,
     CONFIGS,
     FLAT_NAMES,
     KFAC_JAX_ONLY,
@@ -408,6 +409,7 @@ class Optimizer:
         """Loss, gradient (and curvature statistics) averaged over the real examples."""
         est = self.estimator
         zero_stats = est.zero_curvature_stats()
+        fraction = self._curvature_fraction(batch)
 
         def body(acc, chunk, state, index):
             loss_sum, grad_sum, stats_sum, total, stats_total, _ = acc
@@ -415,7 +417,7 @@ class Optimizer:
             model_rng, curv_rng = jax.random.split(chunk_rng)
             args = self._func_args(params, state, model_rng, chunk)
             mask, n = self._weight(chunk)
-            if with_stats and self.curvature.curvature_batch_fraction == 1.0:
+            if with_stats and fraction == 1.0:
                 value, grads, stats = est.value_grads_and_curvature_stats(
                     curv_rng, args, self._has_aux_output, example_mask=mask
                 )
@@ -427,7 +429,7 @@ class Optimizer:
                 value = value[1]
                 stats = zero_stats
                 if with_stats:
-                    stats = self._subset_stats(params, state, model_rng, curv_rng, chunk)
+                    stats = self._subset_stats(params, state, model_rng, curv_rng, chunk, fraction)
             loss, new_state, aux = self._split_output(value)
             loss_sum, grad_sum = _add_weighted((loss_sum, grad_sum), n, (loss, grads))
             m = stats.batch_size
@@ -448,13 +450,19 @@ class Optimizer:
         stats = CurvatureStats(jax.tree.map(lambda s: s / stats_safe, stats_sum), stats_total)
         return loss, grads, stats, new_state, aux
 
-    def _subset_size(self, batch) -> int:
-        n = jnp.shape(jax.tree.leaves(batch)[0])[0]
-        return max(1, math.ceil(self.curvature.curvature_batch_fraction * n))
+    def _curvature_fraction(self, batch) -> float:
+        """The fraction of each (micro-)batch the curvature is estimated on:
+        ``curvature_batch_fraction``, or by default 1/8 of the batch but at least
+        `AUTO_CURVATURE_EXAMPLES` examples (all of a smaller batch)."""
+        fraction = self.curvature.curvature_batch_fraction
+        if fraction is not None:
+            return float(fraction)
+        n = _batch_size(batch)
+        return max(math.ceil(n / 8), min(n, AUTO_CURVATURE_EXAMPLES)) / n
 
-    def _subset_stats(self, params, func_state, model_rng, curv_rng, chunk) -> CurvatureStats:
-        """Curvature statistics of the first ``curvature_batch_fraction`` of ``chunk``."""
-        m = self._subset_size(chunk)
+    def _subset_stats(self, params, func_state, model_rng, curv_rng, chunk, fraction):
+        """Curvature statistics of the leading ``fraction`` of ``chunk``."""
+        m = _subset_size(chunk, fraction)
         sub = jax.tree.map(lambda x: x[:m], chunk)
         args = self._func_args(params, func_state, model_rng, sub)
         return self.estimator.compute_curvature_stats(curv_rng, args, example_mask=self._mask(sub))
@@ -490,11 +498,12 @@ class Optimizer:
         ``curvature_batch_fraction``, like the curvature statistics)."""
         est = self.estimator
         k = len(vectors)
+        fraction = self._curvature_fraction(batch)
 
         def body(acc, chunk, state, index):
             gram_sum, total = acc
-            if self.curvature.curvature_batch_fraction < 1.0:
-                m = self._subset_size(chunk)
+            if fraction < 1.0:
+                m = _subset_size(chunk, fraction)
                 chunk = jax.tree.map(lambda x: x[:m], chunk)
             model_rng, _ = jax.random.split(jax.random.fold_in(rng, index))
             args = self._func_args(params, state, model_rng, chunk)
@@ -611,7 +620,7 @@ class Optimizer:
             damped = gram + identity_weight * norms
             b = jnp.array([_tree_dot(grads, precon), _tree_dot(grads, velocity)])
             if lr_cfg.use_adaptive_momentum:
-                coeffs = _solve_2x2(damped, b)
+                coeffs = _solve_2x2(damped, b, lr_cfg.momentum_bounds)
             else:
                 mom = self._momentum(momentum, global_step)
                 c0 = -(b[0] + damped[0, 1] * mom) / _safe(damped[0, 0])
@@ -910,16 +919,37 @@ def _safe(x: jax.Array) -> jax.Array:
     return jnp.where(jnp.abs(x) > 0, x, 1.0)
 
 
-def _solve_2x2(m: jax.Array, b: jax.Array) -> jax.Array:
+def _batch_size(batch) -> int:
+    return int(jnp.shape(jax.tree.leaves(batch)[0])[0])
+
+
+def _subset_size(chunk, fraction: float) -> int:
+    """The examples in the leading ``fraction`` of ``chunk`` (at least one)."""
+    return max(1, math.ceil(fraction * _batch_size(chunk)))
+
+
+def _solve_2x2(m: jax.Array, b: jax.Array, bounds=None) -> jax.Array:
     """Minimiser ``-m^-1 b`` of ``0.5 c^T m c + b^T c``; only the first coordinate
-    when the second direction is zero (the first step, with no velocity yet)."""
+    when the second direction is zero (the first step, with no velocity yet).
+
+    With ``bounds = (low, high)`` the second coordinate is constrained to that
+    interval: the model is convex, so when the free minimiser lies outside, the
+    constrained one has the second coordinate at the nearer bound and the first
+    minimising along it."""
     det = m[0, 0] * m[1, 1] - m[0, 1] * m[1, 0]
     full = -jnp.array([m[1, 1] * b[0] - m[0, 1] * b[1], m[0, 0] * b[1] - m[1, 0] * b[0]]) / _safe(
         det
     )
-    first_only = jnp.array([-b[0] / _safe(m[0, 0]), 0.0])
+
+    def along(second):  # the best first coordinate for a given second one
+        return jnp.stack([-(b[0] + m[0, 1] * second) / _safe(m[0, 0]), second])
+
     degenerate = (m[1, 1] <= 0) | (jnp.abs(det) <= 1e-12 * jnp.abs(m[0, 0] * m[1, 1]))
-    return jnp.where(degenerate, first_only, full)
+    if bounds is None:
+        return jnp.where(degenerate, along(jnp.zeros(())), full)
+    second = jnp.clip(full[1], bounds[0], bounds[1])
+    full = jnp.where(second == full[1], full, along(second))
+    return jnp.where(degenerate, along(jnp.clip(jnp.zeros(()), bounds[0], bounds[1])), full)
 
 
 def _repeat(batch):

@@ -47,6 +47,12 @@ def test_autoencoder_example_runs_and_writes_its_plot(tmp_path):
             "1e-3",
             "--sgd-rates",
             "1e-2",
+            "--muon-rates",
+            "0.03",
+            "--sfadamw-rates",
+            "3e-3",
+            "--sophia-rates",
+            "3e-4",
             "--no-progress",
             "--plot",
             str(plot),
@@ -62,3 +68,6 @@ def test_autoencoder_example_runs_and_writes_its_plot(tmp_path):
     }
     kfac_final = float(rows["K-FAC"][1])
     assert 0 < kfac_final < 543.0, out  # below the loss of the untrained network
+    table = out[out.index("target:") :]
+    for label in ("Adam", "SGD-Nesterov", "Muon", "schedule-free AdamW", "Sophia"):
+        assert f"{label} (lr=" in table, out

@@ -50,6 +50,16 @@ def test_classifier_mnist1d_trains_above_chance(tmp_path):
     out = run_example(
         "classifier_mnist1d.py",
         *("--steps", "40", "--batch-size", "64", "--adam-lrs", "3e-3,1e-2"),
+        *(
+            "--sgd-lrs",
+            "3e-2",
+            "--muon-lrs",
+            "1e-2",
+            "--sfadamw-lrs",
+            "3e-3",
+            "--sophia-lrs",
+            "1e-3",
+        ),
         *("--no-progress", "--plot", str(plot)),
         cwd=tmp_path,
     )
@@ -75,6 +85,10 @@ def test_classifier_mnist1d_trains_above_chance(tmp_path):
     assert kfac_loss < math.log(10) and adam_loss < math.log(10)
     assert kfac_acc > 0.3 and adam_acc > 0.2, summary
     assert "0 skipped steps" in summary
+    for name in ("sgd", "muon", "sfadamw", "sophia"):  # one rate each, finite and learning
+        loss = number(rf"{name} lr=\S+\s+final train loss (\S+)", summary)
+        assert loss < math.log(10), (name, summary)
+        assert f"{name} learning rate chosen" in summary
 
 
 def test_optax_pipeline_matches_chain(tmp_path):

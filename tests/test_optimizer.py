@@ -650,6 +650,16 @@ def test_backward_pass_of_value_and_grad_is_not_mistaken_for_layers(wrap):
     assert_trees_close(run(opt, params, batch, 2)[0], run(reference, params, batch, 2)[0])
 
 
+def assert_factors_are_the_statistics_of(state, params, subset):
+    """After one step (no burn-in), every factor is the statistic of ``subset``."""
+    estimator = kfacx.BlockDiagonalCurvature(mlp_loss, default_estimation_mode="fisher_empirical")
+    estimator.init(jax.random.key(0), (params, subset))
+    stats = estimator.compute_curvature_stats(jax.random.key(0), (params, subset))
+    for block_state, block_stats in zip(state.estimator_state.blocks, stats.blocks, strict=True):
+        for factor, stat in zip(block_state.factors, block_stats, strict=True):
+            np.testing.assert_allclose(factor.value, stat, rtol=1e-5, atol=1e-6)
+
+
 def test_curvature_batch_fraction_estimates_on_the_leading_examples_only():
     params, batch = make_params(), make_batch(n=32)
     opt = kfacx.Optimizer(
@@ -660,20 +670,29 @@ def test_curvature_batch_fraction_estimates_on_the_leading_examples_only():
         **DETERMINISTIC,
     )
     _, state, history = run(opt, params, batch, 1)
-    estimator = kfacx.BlockDiagonalCurvature(mlp_loss, default_estimation_mode="fisher_empirical")
-    subset = jax.tree.map(lambda a: a[:8], batch)
-    estimator.init(jax.random.key(0), (params, subset))
-    stats = estimator.compute_curvature_stats(jax.random.key(0), (params, subset))
-    for block_state, block_stats in zip(state.estimator_state.blocks, stats.blocks, strict=True):
-        for factor, stat in zip(block_state.factors, block_stats, strict=True):
-            np.testing.assert_allclose(factor.value, stat, rtol=1e-5, atol=1e-7)
+    assert_factors_are_the_statistics_of(state, params, jax.tree.map(lambda a: a[:8], batch))
     # The gradient is still the full batch's.
     grads = jax.grad(mlp_loss)(params, batch)
     np.testing.assert_allclose(
         history[0]["grad_norm"], jnp.sqrt(kfacx.optimizer._tree_dot(grads, grads)), rtol=1e-5
     )
-    with pytest.raises(ValueError, match="curvature_batch_fraction"):
-        kfacx.CurvatureConfig(curvature_batch_fraction=0.0)
+    for bad in (0.0, 1.5, "1/8"):
+        with pytest.raises(ValueError, match="curvature_batch_fraction"):
+            kfacx.CurvatureConfig(curvature_batch_fraction=bad)
+
+
+@pytest.mark.parametrize("n, used", [(32, 32), (200, 128), (1040, 130)])
+def test_default_curvature_subset_is_an_eighth_but_at_least_128_examples(n, used):
+    params, batch = make_params(), make_batch(n=n)
+    opt = kfacx.Optimizer(
+        jax.value_and_grad(mlp_loss),
+        learning_rate_schedule=0.1,
+        initial_damping=1e-2,
+        **DETERMINISTIC,
+    )
+    assert opt.curvature.curvature_batch_fraction is None
+    _, state, _ = run(opt, params, batch, 1)
+    assert_factors_are_the_statistics_of(state, params, jax.tree.map(lambda a: a[:used], batch))
 
 
 def test_replicate_accepts_pmap_outputs_and_keys():
@@ -721,3 +740,46 @@ def test_fast_compile_options_reach_the_step_and_change_nothing_but_rounding():
     assert_trees_close(fast[:2], default[:2], rtol=1e-5, atol=1e-6)
     with pytest.raises(jax.errors.JaxRuntimeError, match="xla_no_such_option"):
         run(make(compiler_options={"xla_no_such_option": 1}), params, batch, 1)
+
+
+@pytest.mark.parametrize("bounds", [None, (0.0, 1.0), (0.2, 0.5), (-1.0, -0.5)])
+def test_adaptive_momentum_is_the_quadratic_minimiser_within_its_bounds(bounds):
+    """The solved (-learning rate, momentum) satisfy the optimality (KKT) conditions of the
+    2x2 quadratic model with the momentum constrained to ``bounds``."""
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        a = rng.normal(size=(2, 2))
+        m = a @ a.T + 1e-3 * np.eye(2)
+        b = rng.normal(size=2) * rng.choice([0.1, 1.0, 10.0])
+        c = np.asarray(kfacx.optimizer._solve_2x2(jnp.asarray(m), jnp.asarray(b), bounds))
+        grad = m @ c + b
+        np.testing.assert_allclose(grad[0], 0.0, atol=1e-4 * (1 + np.abs(b).max()))
+        if bounds is None:
+            np.testing.assert_allclose(grad[1], 0.0, atol=1e-4 * (1 + np.abs(b).max()))
+            continue
+        low, high = bounds
+        assert low - 1e-6 <= c[1] <= high + 1e-6
+        if c[1] > high - 1e-6:  # at the upper bound the model still falls towards larger values
+            assert grad[1] <= 1e-4
+        elif c[1] < low + 1e-6:
+            assert grad[1] >= -1e-4
+        else:
+            np.testing.assert_allclose(grad[1], 0.0, atol=1e-4 * (1 + np.abs(b).max()))
+
+
+def test_first_step_momentum_is_the_bound_nearest_zero():
+    """With no velocity yet the momentum multiplies zero; it is reported as the value of
+    ``momentum_bounds`` nearest 0 and the learning rate is the line minimiser."""
+    m, b = jnp.array([[2.0, 0.0], [0.0, 0.0]]), jnp.array([-1.0, 0.0])
+    np.testing.assert_allclose(kfacx.optimizer._solve_2x2(m, b, (0.0, 1.0)), [0.5, 0.0])
+    np.testing.assert_allclose(kfacx.optimizer._solve_2x2(m, b, (0.3, 1.0)), [0.5, 0.3])
+
+
+@pytest.mark.parametrize(
+    "bounds", [(1.0, 0.0), (0.0,), "0,1", (0.0, float("nan")), (0.0, float("inf"))]
+)
+def test_bad_momentum_bounds_raise(bounds):
+    with pytest.raises(ValueError, match="momentum_bounds"):
+        kfacx.LearningRateConfig(
+            use_adaptive_learning_rate=True, use_adaptive_momentum=True, momentum_bounds=bounds
+        )
