@@ -80,11 +80,27 @@ def _wide(x: jax.Array) -> jax.Array:
     return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
+#: Leaves with fewer entries than this (biases, scales) take part in `_tree_dot` as one
+#: concatenated vector: XLA then compiles one small reduction instead of one per leaf
+#: (small reductions are the expensive ones to compile on the CPU; the deep
+#: autoencoder's step compiles about 0.4 s faster), and runs it no slower.
+_SMALL_LEAF = 4096
+
+
 def _tree_dot(a: Any, b: Any) -> jax.Array:
-    parts = [
-        jnp.vdot(_wide(x), _wide(y))
-        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    """``sum(x * y)`` over all leaves, in float32 or wider."""
+    pairs = [
+        (_wide(x), _wide(y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
     ]
+    parts = [jnp.sum(x * y) for x, y in pairs if x.size >= _SMALL_LEAF]
+    small = [(x, y) for x, y in pairs if x.size < _SMALL_LEAF]
+    if len(small) == 1:
+        parts.append(jnp.sum(small[0][0] * small[0][1]))
+    elif small:
+        dtype = jnp.result_type(*(v for pair in small for v in pair))
+        xs = jnp.concatenate([x.astype(dtype).ravel() for x, _ in small])
+        ys = jnp.concatenate([y.astype(dtype).ravel() for _, y in small])
+        parts.append(jnp.sum(xs * ys))
     return sum(parts, jnp.zeros((), jnp.float32))
 
 
@@ -695,7 +711,7 @@ class Optimizer:
         # scan of every leaf: a non-finite entry (or an overflowing norm) makes them so.
         # The factors are moving averages of finite statistics, and a non-finite cached
         # inverse would show in the update, so the (large) curvature state is not scanned.
-        # One `jax.lax.cond` keeps or replaces the whole state (no select per leaf).
+        # `_keep_unless` keeps or replaces the whole state.
         grad_sq, precon_sq, update_sq = sq_norm(grads), sq_norm(precon), sq_norm(delta)
         finite = (
             jnp.isfinite(loss)
@@ -706,10 +722,8 @@ class Optimizer:
             & _checks.all_finite((stats.blocks, new_func_state))
         )
         old_func_state = None if new_func_state is None else func_state
-        new_params, new_state, new_func_state = jax.lax.cond(
-            finite,
-            lambda: (new_params, new_state, new_func_state),
-            lambda: (params, state, old_func_state),
+        new_params, new_state, new_func_state = _keep_unless(
+            finite, (new_params, new_state, new_func_state), (params, state, old_func_state)
         )
         stats_out = dict(
             loss=loss,
@@ -913,6 +927,36 @@ def _add_weighted(total: Any, weight: jax.Array, value: Any) -> Any:
 def _first(value, has_aux):
     """``func`` output -> ``(loss, value)`` for `jax.value_and_grad` with aux."""
     return (value[0] if has_aux else value), value
+
+
+#: Leaves with at least this many entries are guarded by a select of their own.
+_SELECTED_LEAF = 4096
+
+
+def _keep_unless(ok: jax.Array, new: Any, old: Any) -> Any:
+    """``new`` if ``ok`` else ``old`` (bit for bit), for pytrees of one structure.
+
+    The large leaves are chosen by ``jnp.where``, which XLA fuses into the kernels that
+    compute them (the parameter update, the moving averages); the small ones (scalars,
+    counters, biases) by one `jax.lax.cond`. One `jax.lax.cond` over everything makes
+    XLA copy every leaf into the conditional's result: on the deep autoencoder that is
+    about 70 MB and 24 ms (11 %) of every step. A select per small leaf would be a
+    kernel of its own to compile.
+    """
+    new_leaves, treedef = jax.tree.flatten(new)
+    old_leaves = treedef.flatten_up_to(old)
+    small = [i for i, x in enumerate(new_leaves) if np.size(x) < _SELECTED_LEAF]
+    out = [
+        leaf if np.size(leaf) < _SELECTED_LEAF else jnp.where(ok, leaf, before)
+        for leaf, before in zip(new_leaves, old_leaves, strict=True)
+    ]
+    if small:
+        kept = jax.lax.cond(
+            ok, lambda: [new_leaves[i] for i in small], lambda: [old_leaves[i] for i in small]
+        )
+        for i, leaf in zip(small, kept, strict=True):
+            out[i] = leaf
+    return jax.tree.unflatten(treedef, out)
 
 
 def _safe(x: jax.Array) -> jax.Array:
