@@ -157,7 +157,13 @@ def main(argv=None) -> dict:
         "--grid-steps", type=int, default=40, help="steps per learning rate of the grids"
     )
     parser.add_argument("--batch-size", type=int, default=1000)
-    parser.add_argument("--inverse-update-period", type=int, default=10)
+    parser.add_argument(
+        "--inverse-update-period",
+        type=int,
+        default=5,
+        help="refresh the inverses every this many steps (kfacx's default; with 10 the "
+        "loss jumps from 207 to about 500 at step 11: docs/benchmarks.md)",
+    )
     parser.add_argument("--initial-damping", type=float, default=1.0)
     parser.add_argument(
         "--curvature-fraction",
