@@ -202,7 +202,7 @@ def main(argv=None) -> dict:
     adam = curves[1]
     target = adam.losses[-1]
     print(f"\ntarget: Adam's final training loss {target:.3f}")
-    print(f"{'optimizer':<28}{'final loss':>11}{'steps to target':>17}{'s to target':>13}")
+    print(f"{'optimizer':<32}{'final loss':>11}{'steps to target':>17}{'s to target':>13}")
     summary = {}
     for curve in curves:
         steps_to, seconds_to = curve.steps_to(target), curve.seconds_to(target)
@@ -210,7 +210,7 @@ def main(argv=None) -> dict:
             final_loss=curve.losses[-1], steps_to_target=steps_to, seconds_to_target=seconds_to
         )
         print(
-            f"{curve.name:<28}{curve.losses[-1]:>11.3f}"
+            f"{curve.name:<32}{curve.losses[-1]:>11.3f}"
             f"{'-' if steps_to is None else steps_to + 1:>17}"
             f"{'-' if seconds_to is None else f'{seconds_to:.1f}':>13}"
         )
