@@ -826,3 +826,23 @@ def test_keep_unless_returns_either_tree_bit_for_bit(ok):
     for key in ("w", "b", "count"):
         assert out[key].dtype == want[key].dtype
         np.testing.assert_array_equal(np.asarray(out[key]), np.asarray(want[key]))
+
+
+def test_blocks_with_their_own_init_get_distinct_keys():
+    """Built-in blocks ignore their init key (the eager split is skipped for them); a block
+    class that overrides `init` gets one key per block, split from the estimator's."""
+    seen = []
+
+    class KeyedBlock(kfacx.blocks.DenseTwoKroneckerFactored):
+        def init(self, rng, *args, **kwargs):
+            seen.append(np.asarray(jax.random.key_data(rng)))
+            return super().init(rng, *args, **kwargs)
+
+    params, batch = make_params(), make_batch()
+    est = kfacx.BlockDiagonalCurvature(mlp_loss, layer_tag_to_block_ctor={"dense_tag": KeyedBlock})
+    rng = jax.random.key(3)
+    est.init(rng, (params, batch))
+    want = [np.asarray(jax.random.key_data(k)) for k in jax.random.split(rng, 2)]
+    assert len(seen) == 2
+    for got, expected in zip(seen, want, strict=True):
+        np.testing.assert_array_equal(got, expected)
