@@ -526,14 +526,12 @@ def cholesky_inverse_padded(stack: PaddedStack) -> tuple[jax.Array, jax.Array]:
             f"cholesky_inverse_padded takes a PaddedStack (from pad_stack), got {type(stack)}."
         )
 
-    def invert(m):
-        out = _inverse_by_cholesky(m)
-        return out, _finite(out, 2).astype(out.dtype)
-
     # The damping is added to the whole stack at once (one fused kernel); then one matrix
     # at a time (a loop, compiled once): batched LAPACK calls on the CPU can deadlock
-    # when several run at once.
-    return jax.lax.map(invert, _unpadded(*stack))
+    # when several run at once. The finiteness check reads the whole stack after the
+    # loop: inside the loop body it cost 17 ms of the autoencoder's 227 ms refresh.
+    inverses = jax.lax.map(_inverse_by_cholesky, _unpadded(*stack))
+    return inverses, _finite(inverses, 2).astype(inverses.dtype)
 
 
 def repair_padded(
@@ -633,9 +631,45 @@ def _cholesky_inverse(d: jax.Array) -> Callable[[jax.Array], jax.Array]:
     return lambda m: _inverse_by_cholesky(add_to_diagonal(m, d))
 
 
+#: Matrices up to this size are inverted by Cholesky and triangular solves; larger ones
+#: by `_inverse_by_cholesky`'s 2x2 block recursion.
+_BLOCK_INVERSE_BASE = 256
+
+
 def _inverse_by_cholesky(a: jax.Array) -> jax.Array:
-    """``a^-1`` by Cholesky (of the lower triangle of ``a``, which is symmetric up to
-    rounding) and two triangular solves; NaN where the factorisation fails."""
+    """``a^-1`` of a symmetric positive definite ``a`` (a stack of them); NaN where ``a``
+    is not numerically positive definite.
+
+    Up to `_BLOCK_INVERSE_BASE`: Cholesky (of the lower triangle of ``a``, which is
+    symmetric up to rounding) and two triangular solves. Larger: block elimination,
+    ``a = [[a11, a12], [a12^T, a22]]``, ``t = a11^-1 a12``, ``s = a22 - a12^T t`` (the
+    Schur complement, positive definite when ``a`` is), and
+
+        ``a^-1 = [[a11^-1 + t s^-1 t^T, -t s^-1], [-(t s^-1)^T, s^-1]]``,
+
+    with ``a11^-1`` and ``s^-1`` recursively: about ``4 n^3 / 3`` flops in matrix
+    products in place of ``7 n^3 / 3`` in a factorisation and triangular solves, which
+    run several times slower than products on the CPU. It is block Cholesky without
+    the triangular factors, as stable for positive definite ``a``; a failed Cholesky at
+    the base makes every entry NaN, as the plain path does.
+
+    Measured on the deep autoencoder's refresh (2-core CPU, float32, same accuracy
+    against a float64 inverse): base 256 runs in 174 ms instead of 210 ms and adds
+    0.7 s to the step's XLA compilation (each level of recursion adds kernels);
+    base 128 runs in 161 ms but adds 1.5 s.
+    """
+    n = a.shape[-1]
+    if n > _BLOCK_INVERSE_BASE:
+        h = n // 2
+        a11, a12, a22 = a[..., :h, :h], a[..., :h, h:], a[..., h:, h:]
+        x11 = _inverse_by_cholesky(a11)
+        t = x11 @ a12
+        y = _inverse_by_cholesky(a22 - jnp.swapaxes(a12, -1, -2) @ t)
+        b12 = -(t @ y)
+        b11 = x11 - b12 @ jnp.swapaxes(t, -1, -2)
+        top = jnp.concatenate([b11, b12], axis=-1)
+        bottom = jnp.concatenate([jnp.swapaxes(b12, -1, -2), y], axis=-1)
+        return jnp.concatenate([top, bottom], axis=-2)
     chol = jax.lax.linalg.cholesky(a, symmetrize_input=False)
     eye = jnp.broadcast_to(jnp.eye(a.shape[-1], dtype=a.dtype), a.shape)
     solve = jax.lax.linalg.triangular_solve

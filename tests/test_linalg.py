@@ -482,6 +482,31 @@ def test_diagonal_sums_and_floored_damping_vector_match_each_matrix():
     assert linalg.floored_damping_vector([], []).shape == (0,)
 
 
+def test_block_inverse_above_the_base_matches_float64(monkeypatch):
+    """Matrices larger than the block base (here 16: sizes 37 and 70 recurse two and three
+    levels, with odd halves) are inverted by block elimination to float32 accuracy,
+    for a single matrix and a stack, ill-conditioned included; an indefinite matrix
+    gives NaN everywhere (so that `psd_inverse` takes its eigh fallback)."""
+    monkeypatch.setattr(linalg, "_BLOCK_INVERSE_BASE", 16)
+    rng = np.random.default_rng(8)
+    for n in (37, 70):
+        x = rng.standard_normal((3 * n, n)) * np.logspace(0, -2, n)
+        a = x.T @ x / (3 * n) + 1e-3 * np.eye(n)
+        stack = np.stack([a, _psd(rng, n) + 0.1 * np.eye(n)])
+        out = linalg._inverse_by_cholesky(_f32(stack))
+        for o, m in zip(np.asarray(out, np.float64), stack, strict=True):
+            expected = np.linalg.inv(np.asarray(_f32(m), np.float64))
+            assert np.abs(o - expected).max() <= 2e-4 * np.abs(expected).max()
+            assert np.abs(o - o.T).max() <= 1e-5 * np.abs(expected).max()
+        plain = jnp.linalg.inv(_f32(a))  # an independent float32 inverse, for scale
+        assert np.abs(np.asarray(out[0]) - np.asarray(plain)).max() < 1e-2 * np.abs(plain).max()
+    q, _ = np.linalg.qr(rng.standard_normal((40, 40)))
+    indefinite = (q * np.linspace(-1.0, 2.0, 40)) @ q.T
+    assert np.all(np.isnan(np.asarray(linalg._inverse_by_cholesky(_f32(indefinite)))))
+    out = linalg.psd_inverse(_f32(indefinite), 0.1)
+    _close(out, _matpower_ref(np.asarray(_f32(indefinite), np.float64), -1.0, 0.1), rtol=1e-4)
+
+
 def test_psd_inverse_padded_equals_psd_inverse_of_each_matrix():
     """Stacks of several sizes and dampings padded to one size and inverted together equal
     `psd_inverse` of each; an indefinite matrix in the group still takes the eigh
