@@ -641,9 +641,9 @@ def _inverse_by_cholesky(a: jax.Array) -> jax.Array:
     is not numerically positive definite.
 
     Up to `_BLOCK_INVERSE_BASE`: Cholesky (of the lower triangle of ``a``, which is
-    symmetric up to rounding) and two triangular solves. Larger: block elimination,
-    ``a = [[a11, a12], [a12^T, a22]]``, ``t = a11^-1 a12``, ``s = a22 - a12^T t`` (the
-    Schur complement, positive definite when ``a`` is), and
+    symmetric up to rounding) and two triangular solves. Larger: block elimination on
+    the lower triangle, ``a = [[a11, a21^T], [a21, a22]]``, ``t = a11^-1 a21^T``,
+    ``s = a22 - a21 t`` (the Schur complement, positive definite when ``a`` is), and
 
         ``a^-1 = [[a11^-1 + t s^-1 t^T, -t s^-1], [-(t s^-1)^T, s^-1]]``,
 
@@ -661,10 +661,11 @@ def _inverse_by_cholesky(a: jax.Array) -> jax.Array:
     n = a.shape[-1]
     if n > _BLOCK_INVERSE_BASE:
         h = n // 2
-        a11, a12, a22 = a[..., :h, :h], a[..., :h, h:], a[..., h:, h:]
+        # The lower block, as the Cholesky path reads the lower triangle only.
+        a11, a21, a22 = a[..., :h, :h], a[..., h:, :h], a[..., h:, h:]
         x11 = _inverse_by_cholesky(a11)
-        t = x11 @ a12
-        y = _inverse_by_cholesky(a22 - jnp.swapaxes(a12, -1, -2) @ t)
+        t = x11 @ jnp.swapaxes(a21, -1, -2)
+        y = _inverse_by_cholesky(a22 - a21 @ t)
         b12 = -(t @ y)
         b11 = x11 - b12 @ jnp.swapaxes(t, -1, -2)
         top = jnp.concatenate([b11, b12], axis=-1)

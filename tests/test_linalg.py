@@ -500,6 +500,11 @@ def test_block_inverse_above_the_base_matches_float64(monkeypatch):
             assert np.abs(o - o.T).max() <= 1e-5 * np.abs(expected).max()
         plain = jnp.linalg.inv(_f32(a))  # an independent float32 inverse, for scale
         assert np.abs(np.asarray(out[0]) - np.asarray(plain)).max() < 1e-2 * np.abs(plain).max()
+        # Like the Cholesky path, only the lower triangle is read.
+        skewed = np.tril(a) + np.triu(rng.standard_normal((n, n)), 1)
+        np.testing.assert_array_equal(
+            linalg._inverse_by_cholesky(_f32(skewed)), linalg._inverse_by_cholesky(_f32(a))
+        )
     q, _ = np.linalg.qr(rng.standard_normal((40, 40)))
     indefinite = (q * np.linspace(-1.0, 2.0, 40)) @ q.T
     assert np.all(np.isnan(np.asarray(linalg._inverse_by_cholesky(_f32(indefinite)))))
