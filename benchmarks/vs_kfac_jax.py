@@ -126,7 +126,13 @@ def _copy(tree):
     return jax.tree.map(jnp.array, tree)
 
 
-def run(library: str, config: str, steps: int, fast_compile: bool = False) -> dict:
+def run(
+    library: str,
+    config: str,
+    steps: int,
+    fast_compile: bool = False,
+    curvature_fraction: float | None = 1.0,
+) -> dict:
     """Measures one library (``"kfacx"`` or ``"kfac_jax"``) in this process.
 
     The first step is the first compilation in the process for both libraries;
@@ -141,7 +147,7 @@ def run(library: str, config: str, steps: int, fast_compile: bool = False) -> di
     if fast_compile:
         options["compiler_options"] = lib.fast_compile_options()
     if library == "kfacx":  # kfac-jax estimates the curvature on the whole batch
-        options["curvature_batch_fraction"] = 1.0
+        options["curvature_batch_fraction"] = curvature_fraction
     period = options["inverse_update_period"]
     steps = max(period, steps // period * period)
     opt = lib.Optimizer(value_and_grad_func=jax.value_and_grad(loss_fn), **options)
@@ -150,6 +156,8 @@ def run(library: str, config: str, steps: int, fast_compile: bool = False) -> di
     state = jax.block_until_ready(opt.init(fresh, jax.random.key(0), batch))
     init_s = time.perf_counter() - t0
     name = library + (" (fast compile)" if fast_compile else "")
+    if library == "kfacx" and curvature_fraction != 1.0:
+        name += f" (curv. {curvature_fraction or 'default'})"
     out = dict(library=name, version=getattr(lib, "__version__", "?"), jax=jax.__version__)
     first, mean, loss = _time_steps(opt, _copy(params), state, batch, values, steps, period)
     if library == "kfacx":
@@ -213,12 +221,19 @@ def main(argv=None) -> list[dict]:
         action="store_true",
         help="kfacx with compiler_options=kfacx.fast_compile_options() (kfac-jax as is)",
     )
+    parser.add_argument(
+        "--curvature-fraction",
+        default="1.0",
+        help="kfacx's curvature_batch_fraction: 1.0 (the whole batch, as kfac-jax; the "
+        "default here) or 'default' (kfacx's own default, 1/8 of the batch)",
+    )
     parser.add_argument("--as-peer", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.as_peer:
         print(json.dumps(run("kfac_jax", args.config, args.steps)))
         return []
-    rows = [run("kfacx", args.config, args.steps, args.fast_compile)]
+    fraction = None if args.curvature_fraction == "default" else float(args.curvature_fraction)
+    rows = [run("kfacx", args.config, args.steps, args.fast_compile, fraction)]
     if args.peer_python:
         cmd = [
             args.peer_python,

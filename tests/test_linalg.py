@@ -512,6 +512,32 @@ def test_block_inverse_above_the_base_matches_float64(monkeypatch):
     _close(out, _matpower_ref(np.asarray(_f32(indefinite), np.float64), -1.0, 0.1), rtol=1e-4)
 
 
+def test_failed_block_inverse_is_caught_from_its_diagonal(monkeypatch):
+    """`_finite_inverse` reads only the diagonal of each inverse: a matrix whose leading
+    block is indefinite, one whose Schur complement is (the leading block positive
+    definite), and one that is singular to float32 are all flagged, like a check of
+    every entry; the good matrix of the stack is not."""
+    monkeypatch.setattr(linalg, "_BLOCK_INVERSE_BASE", 16)
+    rng = np.random.default_rng(9)
+    n = 37
+    good = _psd(rng, n) + 0.1 * np.eye(n)
+    lead_bad = good.copy()
+    lead_bad[:5, :5] -= 50.0 * np.eye(5)  # inside the leading 18 x 18 block
+    schur_bad = good.copy()
+    schur_bad[-5:, -5:] -= 50.0 * np.eye(5)  # in the trailing block only
+    assert np.linalg.eigvalsh(schur_bad[:18, :18]).min() > 0
+    v = rng.standard_normal((n, 3))
+    singular = v @ v.T  # rank 3
+    stack = _f32(np.stack([good, lead_bad, schur_bad, singular]))
+    out = linalg._inverse_by_cholesky(stack)
+    every_entry = np.isfinite(np.asarray(out)).all(axis=(-2, -1))
+    np.testing.assert_array_equal(every_entry, [True, False, False, False])
+    np.testing.assert_array_equal(linalg._finite_inverse(out), every_entry)
+    padded = linalg.pad_stack([stack], jnp.full((4,), 1e-30), 40)
+    _, ok = linalg.cholesky_inverse_padded(padded)
+    np.testing.assert_array_equal(ok, [1.0, 0.0, 0.0, 0.0])
+
+
 def test_psd_inverse_padded_equals_psd_inverse_of_each_matrix():
     """Stacks of several sizes and dampings padded to one size and inverted together equal
     `psd_inverse` of each; an indefinite matrix in the group still takes the eigh
