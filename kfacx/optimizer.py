@@ -80,11 +80,12 @@ def _wide(x: jax.Array) -> jax.Array:
     return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
-#: Leaves with fewer entries than this (biases, scales) take part in `_tree_dot` as one
-#: concatenated vector: XLA then compiles one small reduction instead of one per leaf
-#: (small reductions are the expensive ones to compile on the CPU: the deep
-#: autoencoder's step has 76 fewer kernels and compiles 0.1-0.5 s faster, depending on
-#: the machine's load), and runs it no slower.
+#: Leaves with fewer entries than this (biases, scales, counters) are "small": in
+#: `_tree_dot` they take part as one concatenated vector, so XLA compiles one small
+#: reduction instead of one per leaf (small reductions are the expensive ones to compile
+#: on the CPU: the deep autoencoder's step has 76 fewer kernels and compiles 0.1-0.5 s
+#: faster, depending on the machine's load) and runs it no slower; `_keep_unless`
+#: guards them with one `jax.lax.cond` instead of a select each.
 _SMALL_LEAF = 4096
 
 
@@ -930,10 +931,6 @@ def _first(value, has_aux):
     return (value[0] if has_aux else value), value
 
 
-#: Leaves with at least this many entries are guarded by a select of their own.
-_SELECTED_LEAF = 4096
-
-
 def _keep_unless(ok: jax.Array, new: Any, old: Any) -> Any:
     """``new`` if ``ok`` else ``old`` (bit for bit), for pytrees of one structure.
 
@@ -946,9 +943,9 @@ def _keep_unless(ok: jax.Array, new: Any, old: Any) -> Any:
     """
     new_leaves, treedef = jax.tree.flatten(new)
     old_leaves = treedef.flatten_up_to(old)
-    small = [i for i, x in enumerate(new_leaves) if np.size(x) < _SELECTED_LEAF]
+    small = [i for i, x in enumerate(new_leaves) if np.size(x) < _SMALL_LEAF]
     out = [
-        leaf if np.size(leaf) < _SELECTED_LEAF else jnp.where(ok, leaf, before)
+        leaf if np.size(leaf) < _SMALL_LEAF else jnp.where(ok, leaf, before)
         for leaf, before in zip(new_leaves, old_leaves, strict=True)
     ]
     if small:
