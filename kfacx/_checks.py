@@ -19,17 +19,26 @@ from kfacx._paths import check_float_params, path_to_str
 
 
 def all_finite(tree: Any) -> jax.Array:
-    """Whether every floating-point leaf of ``tree`` is finite (other leaves pass).
+    """Whether every floating-point leaf of ``tree`` is finite (other leaves pass), as one
+    boolean scalar.
 
-    Each leaf is checked as ``isfinite(sum(x * 0))`` (NaN exactly when an entry
-    is NaN or infinite), which XLA compiles much faster than ``all(isfinite(x))``.
+    Each leaf is checked as ``sum(x * 0)`` (NaN exactly when an entry is NaN or
+    infinite), which XLA compiles much faster than ``all(isfinite(x))``. The flag is
+    ``isfinite(exp(total))``: ``exp`` is among the operations XLA will not duplicate
+    into several kernels, so the flag is computed once. Without it XLA fuses the
+    whole scalar sum (one parameter per leaf) into every kernel that reads the flag:
+    the optimizer's guard selects each large state leaf with it, and the deep
+    autoencoder's step held 24 such selects of up to 40 parameters each (9 % of the
+    step's LLVM IR).
     """
     sums = [
-        jnp.sum(x * jnp.zeros((), x.dtype))
+        jnp.sum(x * jnp.zeros((), x.dtype)).astype(jnp.float32)
         for x in jax.tree.leaves(tree)
         if jnp.issubdtype(jnp.result_type(x), jnp.inexact)
     ]
-    return jnp.isfinite(sum(sums)) if sums else jnp.asarray(True)
+    if not sums:
+        return jnp.asarray(True)
+    return jnp.isfinite(jnp.exp(sum(sums)))
 
 
 def check_init_args(params: Any, batch: Any, example_axis: int) -> None:

@@ -715,13 +715,9 @@ class Optimizer:
         # inverse would show in the update, so the (large) curvature state is not scanned.
         # `_keep_unless` keeps or replaces the whole state.
         grad_sq, precon_sq, update_sq = sq_norm(grads), sq_norm(precon), sq_norm(delta)
-        finite = (
-            jnp.isfinite(loss)
-            & jnp.isfinite(grad_sq)
-            & jnp.isfinite(update_sq)
-            & jnp.isfinite(new_state.damping)
-            & (lam > 0)
-            & _checks.all_finite((stats.blocks, new_func_state))
+        positive = jnp.where(lam > 0, 0.0, jnp.nan)  # a damping <= 0 counts as non-finite
+        finite = _checks.all_finite(
+            (loss, grad_sq, update_sq, new_state.damping, positive, stats.blocks, new_func_state)
         )
         old_func_state = None if new_func_state is None else func_state
         new_params, new_state, new_func_state = _keep_unless(
