@@ -227,8 +227,17 @@ def main(argv=None) -> list[dict]:
         help="kfacx's curvature_batch_fraction: 1.0 (the whole batch, as kfac-jax; the "
         "default here) or 'default' (kfacx's own default, 1/8 of the batch)",
     )
+    parser.add_argument(
+        "--compilation-cache",
+        metavar="DIR",
+        help="JAX's persistent compilation cache directory, for both libraries: run twice, "
+        "and the second run's first steps read their executables from DIR",
+    )
     parser.add_argument("--as-peer", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.compilation_cache:
+        jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     if args.as_peer:
         print(json.dumps(run("kfac_jax", args.config, args.steps)))
         return []
@@ -244,9 +253,12 @@ def main(argv=None) -> list[dict]:
             "--steps",
             str(args.steps),
         ]
+        if args.compilation_cache:
+            cmd += ["--compilation-cache", args.compilation_cache]
         done = subprocess.run(cmd, check=True, capture_output=True, text=True)
         rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    print(f"deep autoencoder, batch 1000, {args.config} configuration")
+    cache = f", compilation cache {args.compilation_cache}" if args.compilation_cache else ""
+    print(f"deep autoencoder, batch 1000, {args.config} configuration{cache}")
     _print(rows)
     return rows
 
