@@ -22,9 +22,10 @@ def fast_compile_options(platform: str | None = None) -> dict[str, Any]:
     On the CPU they cut the compilation of a step by about 40 % and slow each step by
     up to about 10 %: worth it for short runs and interactive work, not for runs of
     more than about a hundred steps. Across runs, JAX's persistent compilation cache
-    (``jax_compilation_cache_dir``) removes the compilation instead. Pass them as ``kfacx.Optimizer(...,
-    compiler_options=kfacx.fast_compile_options())``, or to your own ``jax.jit`` of a
-    step that uses `kfacx.scale_by_kfac` (``jax.jit(step, compiler_options=...)``).
+    (``jax_compilation_cache_dir``) removes the compilation instead. Pass them as
+    ``kfacx.Optimizer(..., compiler_options=kfacx.fast_compile_options())``, or to your
+    own ``jax.jit`` of a step that uses `kfacx.scale_by_kfac` (``jax.jit(step,
+    compiler_options=...)``).
     """
     platform = jax.default_backend() if platform is None else platform
     if platform != "cpu" or not _cpu_accepts_fast_compile():
