@@ -119,10 +119,13 @@ def _lookup(indices, params):
     return jax.lax.gather(table, indices, dn, (1, table.shape[1]), mode="promise_in_bounds")
 
 
-def _scale_and_shift_extractor(has_scale: bool, has_shift: bool):
+def _scale_and_shift_extractor(has_scale: bool, has_shift: bool, scale_offset: float = 0.0):
     def extract(eqns: Sequence[Any]) -> dict[str, Any]:
         del eqns
-        return dict(has_scale=has_scale, has_shift=has_shift)
+        meta: dict[str, Any] = dict(has_scale=has_scale, has_shift=has_shift)
+        if scale_offset:
+            meta["scale_offset"] = scale_offset
+        return meta
 
     return extract
 
@@ -199,6 +202,25 @@ SCALE_AND_SHIFT = GraphPattern(
     example_args=[_z(2, 3), [_z(3), _z(3)]],
     precedence=20,
 )
+#: ``x * (1 + scale) + shift``: a scale stored as its offset from 1 (Gemma-style RMSNorm,
+#: FiLM, AdaLN with learned parameters). The literal is checked by the numerical
+#: verification of each match (the tag computes with ``scale_offset=1``).
+OFFSET_SCALE_AND_SHIFT = GraphPattern(
+    name="offset_scale_and_shift",
+    tag_primitive=tags.scale_and_shift,
+    compute_func=lambda x, p: x * (1.0 + p[0]) + p[1],
+    parameters_extractor_func=_scale_and_shift_extractor(True, True, 1.0),
+    example_args=[_z(2, 3), [_z(3), _z(3)]],
+    precedence=21,
+)
+OFFSET_SCALE = GraphPattern(
+    name="offset_scale",
+    tag_primitive=tags.scale_and_shift,
+    compute_func=lambda x, p: x * (1.0 + p[0]),
+    parameters_extractor_func=_scale_and_shift_extractor(True, False, 1.0),
+    example_args=[_z(2, 3), [_z(3)]],
+    precedence=6,
+)
 DENSE = GraphPattern(
     name="dense",
     tag_primitive=tags.dense,
@@ -266,6 +288,7 @@ DEFAULT_GRAPH_PATTERNS: tuple[GraphPattern, ...] = (
     TRANSPOSED_WEIGHT_DENSE_WITH_BIAS,
     CONV_WITH_BIAS,
     NORMALIZATION,
+    OFFSET_SCALE_AND_SHIFT,
     SCALE_AND_SHIFT,
     NORMALIZATION_SCALE,
     WEIGHT_FIRST_DENSE,
@@ -273,6 +296,7 @@ DEFAULT_GRAPH_PATTERNS: tuple[GraphPattern, ...] = (
     DENSE,
     CONV,
     EMBEDDING,
+    OFFSET_SCALE,
     SCALE,
     SHIFT,
 )

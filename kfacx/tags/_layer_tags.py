@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -354,12 +355,15 @@ def register_conv2d(
 # ----------------------------------------------------------------------------- scale and shift
 
 
-def _scale_and_shift_compute(inputs, params, *, has_scale, has_shift):
+def _scale_and_shift_compute(inputs, params, *, has_scale, has_shift, scale_offset=0.0):
     (x,) = inputs
     params = list(params)
     y = x
     if has_scale:
-        y = y * jnp.broadcast_to(params.pop(0), x.shape)
+        scale = params.pop(0)
+        if scale_offset:
+            scale = scale_offset + scale
+        y = y * jnp.broadcast_to(scale, x.shape)
     if has_shift:
         y = y + jnp.broadcast_to(params.pop(0), x.shape)
     return (y,)
@@ -378,24 +382,45 @@ def _broadcasts_to(shape: Sequence[int], target: Sequence[int]) -> bool:
 
 
 def register_scale_and_shift(
-    y: jax.Array, x: jax.Array, scale: jax.Array | None = None, shift: jax.Array | None = None
+    y: jax.Array,
+    x: jax.Array,
+    scale: jax.Array | None = None,
+    shift: jax.Array | None = None,
+    *,
+    scale_offset: float = 0.0,
 ) -> jax.Array:
-    """Marks ``y = x * scale + shift`` (e.g. the affine part of a normalization layer).
+    """Marks ``y = x * (scale_offset + scale) + shift`` (e.g. the affine part of a
+    normalization layer; ``scale_offset=1`` for a scale stored as ``1 + scale``, as in
+    Gemma's RMSNorm, FiLM or AdaLN).
 
-    ``scale`` and ``shift`` broadcast against the trailing axes of ``x``.
+    ``scale`` and ``shift`` broadcast against the trailing axes of ``x``. The
+    curvature block is the same for any offset: ``dy / dscale = x``.
 
     Returns:
       ``y``, tagged.
 
     Raises:
-      ValueError: if neither ``scale`` nor ``shift`` is given, or shapes do not broadcast.
+      ValueError: if neither ``scale`` nor ``shift`` is given, shapes do not
+        broadcast, or ``scale_offset`` is not a finite number (or is given
+        without ``scale``).
 
     Example::
 
       y = kfacx.register_scale_and_shift(x_hat * gamma + beta, x_hat, gamma, beta)
+      y = kfacx.register_scale_and_shift(x_hat * (1 + gamma), x_hat, gamma, scale_offset=1.0)
     """
     if scale is None and shift is None:
         raise ValueError("register_scale_and_shift: give at least one of scale and shift.")
+    if isinstance(scale_offset, bool) or not isinstance(scale_offset, (int, float)):
+        raise TypeError(
+            "register_scale_and_shift: scale_offset must be a Python number (static), got "
+            f"{type(scale_offset).__name__}."
+        )
+    if not math.isfinite(scale_offset) or (scale_offset and scale is None):
+        raise ValueError(
+            f"register_scale_and_shift: scale_offset={scale_offset!r} needs a finite value "
+            "and a scale parameter."
+        )
     for what, p in (("scale", scale), ("shift", shift)):
         if p is None:
             continue
@@ -411,9 +436,10 @@ def register_scale_and_shift(
     if tuple(y.shape) != tuple(x.shape):
         raise _shape_error("register_scale_and_shift", "y", y.shape, f"{tuple(x.shape)}", "")
     params = tuple(p for p in (scale, shift) if p is not None)
-    return scale_and_shift.bind(
-        y, x, *params, has_scale=scale is not None, has_shift=shift is not None
-    )[0]
+    meta = dict(has_scale=scale is not None, has_shift=shift is not None)
+    if scale_offset:  # only when set: the tag of a plain scale keeps its usual metadata
+        meta["scale_offset"] = float(scale_offset)
+    return scale_and_shift.bind(y, x, *params, **meta)[0]
 
 
 # ----------------------------------------------------------------------------- embedding

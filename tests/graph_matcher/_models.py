@@ -201,6 +201,38 @@ def rms_forward(x: jax.Array) -> jax.Array:
     return hk.Linear(3, name="head")(jnp.tanh(h))
 
 
+class OffsetRMSNorm(hk.Module):
+    """Gemma's RMSNorm: the scale is stored as its offset from 1, ``x_hat * (1 + scale)``."""
+
+    def __call__(self, h):
+        scale = hk.get_parameter("scale", h.shape[-1:], init=hk.initializers.RandomNormal(0.3))
+        x_hat = h * jax.lax.rsqrt(jnp.mean(jnp.square(h), axis=-1, keepdims=True) + 1e-6)
+        return x_hat * jnp.broadcast_to(1 + scale, h.shape)
+
+
+class FiLM(hk.Module):
+    """Learned feature-wise affine map with the scale stored as its offset from 1."""
+
+    def __call__(self, h):
+        init = hk.initializers.RandomNormal(0.3)
+        gamma = hk.get_parameter("gamma", h.shape[-1:], init=init)
+        beta = hk.get_parameter("beta", h.shape[-1:], init=init)
+        # Operands in the other order on purpose.
+        return jnp.broadcast_to(beta, h.shape) + jnp.broadcast_to(gamma + 1.0, h.shape) * h
+
+
+def offset_rms_forward(x: jax.Array) -> jax.Array:
+    """linear - Gemma-style RMS norm - tanh - linear."""
+    h = OffsetRMSNorm(name="norm")(hk.Linear(6, name="inner")(x))
+    return hk.Linear(3, name="head")(jnp.tanh(h))
+
+
+def film_forward(x: jax.Array) -> jax.Array:
+    """linear - FiLM - tanh - linear."""
+    h = FiLM(name="norm")(hk.Linear(6, name="inner")(x))
+    return hk.Linear(3, name="head")(jnp.tanh(h))
+
+
 def _norm_case(name, norm, source, leaves) -> Case:
     def forward(x):
         # A linear layer first, so the normalized value depends on parameters.
@@ -305,6 +337,10 @@ def haiku_cases() -> list[Case]:
         _norm_case(
             "rms_norm", lambda: hk.RMSNorm(-1, name="norm"), "normalization_scale", ("scale",)
         ),
+        _norm_case(
+            "offset_rms_norm", lambda: OffsetRMSNorm(name="norm"), "offset_scale", ("scale",)
+        ),
+        _norm_case("film", lambda: FiLM(name="norm"), "offset_scale_and_shift", ("beta", "gamma")),
         haiku_case(
             "batch_norm_with_state",
             lambda x: hk.BatchNorm(True, True, 0.9, name="norm")(
@@ -604,6 +640,23 @@ def hand_rms_out(params, x):
     return _dense_hand(jnp.tanh(h), params["head"])
 
 
+def hand_offset_rms_out(params, x):
+    h = _dense_hand(x, params["inner"])
+    scale = params["norm"]["scale"]
+    x_hat = h * jax.lax.rsqrt(jnp.mean(jnp.square(h), axis=-1, keepdims=True) + 1e-6)
+    y = x_hat * jnp.broadcast_to(1 + scale, x_hat.shape)
+    h = kfacx.register_scale_and_shift(y, x_hat, scale, scale_offset=1.0)
+    return _dense_hand(jnp.tanh(h), params["head"])
+
+
+def hand_film_out(params, x):
+    h = _dense_hand(x, params["inner"])
+    gamma, beta = params["norm"]["gamma"], params["norm"]["beta"]
+    y = h * (1 + gamma)[None, :] + beta[None, :]
+    h = kfacx.register_scale_and_shift(y, h, gamma, beta, scale_offset=1.0)
+    return _dense_hand(jnp.tanh(h), params["head"])
+
+
 def equivalence_models() -> dict[str, tuple]:
     """name -> ``(auto_loss, hand_loss, params, batch, expected block per path)``."""
     out = {}
@@ -612,6 +665,8 @@ def equivalence_models() -> dict[str, tuple]:
         ("cnn", cnn_forward, hand_cnn_logits, _x(2, 6, 6, 2), "softmax"),
         ("layer_norm", ln_forward, hand_ln_out, _x(3, 4), "squared"),
         ("rms_norm", rms_forward, hand_rms_out, _x(3, 4), "squared"),
+        ("offset_rms_norm", offset_rms_forward, hand_offset_rms_out, _x(3, 4), "squared"),
+        ("film", film_forward, hand_film_out, _x(3, 4), "squared"),
         ("shared_linear", shared_forward, hand_shared_logits, _x(3, 4), "softmax"),
         ("embed", embed_forward, hand_embed_out, IDS, "squared"),
     ]

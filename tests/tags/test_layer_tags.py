@@ -233,7 +233,12 @@ CONV_CASES = [
 
 
 def _scale_and_shift_case(
-    name: str, x_shape: tuple[int, ...], p_shape: tuple[int, ...], scale: bool, shift: bool
+    name: str,
+    x_shape: tuple[int, ...],
+    p_shape: tuple[int, ...],
+    scale: bool,
+    shift: bool,
+    offset: float = 0.0,
 ) -> Case:
     def make(rng):
         params = {}
@@ -246,14 +251,18 @@ def _scale_and_shift_case(
     def apply(params, x, tagged):
         y = x
         if scale:
-            y = y * jnp.broadcast_to(params["scale"], x.shape)
+            y = y * jnp.broadcast_to(offset + params["scale"], x.shape)
         if shift:
             y = y + jnp.broadcast_to(params["shift"], x.shape)
         if not tagged:
             return y
-        return tags.register_scale_and_shift(y, x, params.get("scale"), params.get("shift"))
+        return tags.register_scale_and_shift(
+            y, x, params.get("scale"), params.get("shift"), scale_offset=offset
+        )
 
     meta = dict(has_scale=scale, has_shift=shift)
+    if offset:
+        meta["scale_offset"] = offset
     return Case(name, tags.scale_and_shift, make, apply, 2 + scale + shift, meta)
 
 
@@ -263,6 +272,8 @@ SCALE_AND_SHIFT_CASES = [
     _scale_and_shift_case("scale_and_shift", (4, 5), (5,), scale=True, shift=True),
     _scale_and_shift_case("scale_and_shift_nhwc_vec", (2, 3, 3, 4), (4,), True, True),
     _scale_and_shift_case("scale_and_shift_haiku_bn", (2, 3, 3, 4), (1, 1, 1, 4), True, True),
+    _scale_and_shift_case("offset_scale", (4, 5), (5,), True, False, offset=1.0),
+    _scale_and_shift_case("offset_scale_and_shift", (2, 3, 4), (4,), True, True, offset=1.0),
 ]
 
 
@@ -678,6 +689,22 @@ def test_register_scale_and_shift_needs_scale_or_shift():
     x = np.ones((4, 5), np.float32)
     with pytest.raises(ValueError, match="give at least one of scale and shift"):
         tags.register_scale_and_shift(x, x)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(scale_offset=np.float32(1.0)), TypeError, "scale_offset must be a Python number"),
+        (dict(scale_offset=True), TypeError, "scale_offset must be a Python number"),
+        (dict(scale_offset=float("nan")), ValueError, "scale_offset=nan needs a finite value"),
+        (dict(scale_offset=1.0, scale=None), ValueError, "needs a finite value and a scale"),
+    ],
+)
+def test_register_scale_and_shift_rejects_bad_scale_offset(kwargs, error, match):
+    x = np.ones((4, 5), np.float32)
+    args = {"scale": np.ones((5,), np.float32), "shift": np.ones((5,), np.float32), **kwargs}
+    with pytest.raises(error, match=match):
+        tags.register_scale_and_shift(x, x, **args)
 
 
 @pytest.mark.parametrize("what", ["scale", "shift"])
