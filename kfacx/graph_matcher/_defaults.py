@@ -202,8 +202,8 @@ SCALE_AND_SHIFT = GraphPattern(
     example_args=[_z(2, 3), [_z(3), _z(3)]],
     precedence=20,
 )
-#: ``x * (1 + scale) + shift``: a scale stored as its offset from 1 (Gemma-style RMSNorm,
-#: FiLM, AdaLN with learned parameters). The literal is checked by the numerical
+#: ``x * (1 + scale) + shift``: a learned scale stored as its offset from 1 (Gemma-style
+#: RMSNorm, a learned feature-wise modulation). The literal is checked by the numerical
 #: verification of each match (the tag computes with ``scale_offset=1``).
 OFFSET_SCALE_AND_SHIFT = GraphPattern(
     name="offset_scale_and_shift",

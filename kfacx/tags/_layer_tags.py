@@ -390,8 +390,8 @@ def register_scale_and_shift(
     scale_offset: float = 0.0,
 ) -> jax.Array:
     """Marks ``y = x * (scale_offset + scale) + shift`` (e.g. the affine part of a
-    normalization layer; ``scale_offset=1`` for a scale stored as ``1 + scale``, as in
-    Gemma's RMSNorm, FiLM or AdaLN).
+    normalization layer; ``scale_offset=1`` for a learned scale stored as its offset
+    from 1, ``x * (1 + scale)``, as in Gemma's RMSNorm).
 
     ``scale`` and ``shift`` broadcast against the trailing axes of ``x``. The
     curvature block is the same for any offset: ``dy / dscale = x``.
@@ -401,8 +401,8 @@ def register_scale_and_shift(
 
     Raises:
       ValueError: if neither ``scale`` nor ``shift`` is given, shapes do not
-        broadcast, or ``scale_offset`` is not a finite number (or is given
-        without ``scale``).
+        broadcast, or ``scale_offset`` is not finite (or is given without ``scale``).
+      TypeError: if ``scale_offset`` is not a Python number.
 
     Example::
 
