@@ -32,7 +32,6 @@ def measure(piece: str, config: str) -> dict:
     """Traces, lowers and compiles ``piece`` in this process."""
     import jax
     import jax.numpy as jnp
-    import optax
     import vs_kfac_jax as v
 
     import kfacx
@@ -42,13 +41,7 @@ def measure(piece: str, config: str) -> dict:
     params = v.NET.init(jax.random.key(42), batch[:1])
     options = {}
     if piece == "adam":
-        tx = optax.chain(optax.add_decayed_weights(v.L2_REG), optax.adam(1e-3))
-
-        def fn(p, s, b):
-            loss, g = jax.value_and_grad(loss_fn)(p, b)
-            u, s = tx.update(g, s, p)
-            return optax.apply_updates(p, u), s, loss
-
+        tx, fn = v.adam_step(loss_fn)
         args = (params, tx.init(params), batch)
     else:
         kwargs, values = v._options(config)

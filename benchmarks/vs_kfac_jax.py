@@ -89,15 +89,22 @@ def _options(config: str) -> tuple[dict, dict]:
     return dict(common, **adaptive), {}
 
 
-def _time_adam(loss_fn, params, batch, steps):
+def adam_step(loss_fn):
+    """``(tx, step)``: the Adam reference (weight decay ``L2_REG``, rate 1e-3) and its
+    unjitted ``step(params, opt_state, batch) -> (params, opt_state, loss)``."""
     tx = optax.chain(optax.add_decayed_weights(L2_REG), optax.adam(1e-3))
 
-    @jax.jit
     def step(p, s, b):
         loss, g = jax.value_and_grad(loss_fn)(p, b)
         u, s = tx.update(g, s, p)
         return optax.apply_updates(p, u), s, loss
 
+    return tx, step
+
+
+def _time_adam(loss_fn, params, batch, steps):
+    tx, step = adam_step(loss_fn)
+    step = jax.jit(step)
     p, s = params, tx.init(params)
     times = []
     for i in range(steps + 5):
