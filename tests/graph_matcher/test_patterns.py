@@ -238,6 +238,27 @@ def test_structural_match_with_other_constant_is_rejected_numerically():
     assert report.unmatched == ()
 
 
+def test_numerical_check_tells_apart_layers_that_differ_only_in_a_constant():
+    """Each distinct layer is checked once and the answer reused for its repeats; two
+    layers of equal shapes whose constants differ (2 vs 3) are not the same layer."""
+    rng = np.random.default_rng(1)
+    params = {k: dict(w=M.normal(rng, 4, 3), b=M.normal(rng, 3)) for k in ("a", "b", "c")}
+
+    def loss(p, batch):
+        x, t = batch
+        factors = {"a": 2.0, "b": 3.0, "c": 2.0}
+        out = sum(x @ p[k]["w"] * f + p[k]["b"][None, :] for k, f in factors.items())
+        return M.squared_loss(out, t)
+
+    _, report = auto_register_tags(
+        loss, (params, M.two_layer_batch()), graph_patterns=(SCALED, *DEFAULT_GRAPH_PATTERNS)
+    )
+    tags = {e.path: e.tag for e in report.entries}
+    assert tags["a/w"] == tags["c/w"] == SCALED_NAME
+    assert tags["b/w"] != SCALED_NAME
+    assert report.unmatched == ()
+
+
 def test_extractor_can_reject_a_match():
     """The extractor only accepts ``x @ w``; ``einsum('bi,oi->bo')`` (x @ w.T) is rejected."""
     pattern = GraphPattern(
