@@ -31,6 +31,7 @@ DEFAULT_LAYER_TAG_TO_BLOCK_CTOR: Mapping[str, Callable[[blocks_lib.LayerInfo], A
     "scale_and_shift_tag": blocks_lib.ScaleAndShiftDiagonal,
     "embedding_tag": blocks_lib.EmbeddingKroneckerFactored,
     "generic_tag": blocks_lib.Diagonal,
+    blocks_lib.TIED_TAG: blocks_lib.TiedKroneckerFactored,
 }
 
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from kfacx import _jaxpr, losses, tags
 from kfacx._paths import check_float_params, path_to_str
-from kfacx.blocks import LayerInfo
+from kfacx.blocks import TIED_TAG, LayerInfo
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +48,8 @@ class TracedFunction:
         scan runs over its parameters (``LayerInfo.stack_size``), else a
         layer applied once per iteration with the same parameters (its
         iterations are folded into the batch axis, as tied uses are).
+      use_roles: for every use, its role in a tied layer (`LayerInfo.roles`:
+        tags of different kinds that share parameters), else 0.
     """
 
     closed_jaxpr: Any
@@ -63,11 +65,20 @@ class TracedFunction:
     num_losses: int
     site_uses: tuple[int | None, ...] = ()
     use_scan_lengths: tuple[int, ...] = ()
+    use_roles: tuple[int, ...] = ()
 
     @property
     def num_param_leaves(self) -> int:
         """Number of parameter leaves."""
         return len(self.param_paths)
+
+    def use_param_leaves(self, use: int) -> tuple[int, ...]:
+        """The parameter leaves of one use (of its role, in a tied layer)."""
+        layer = self.use_to_layer[use]
+        leaves, info = self.layer_param_leaves[layer], self.layers[layer]
+        if not info.roles:
+            return leaves
+        return tuple(leaves[i] for i in info.role_params[self.use_roles[use]])
 
 
 def shape_key(func_args: Sequence[Any]) -> tuple:
@@ -116,6 +127,7 @@ def trace(
     origins = [i - start if start <= i < stop else None for i in range(len(closed.jaxpr.invars))]
 
     layers, leaves_of, use_to_layer, use_outputs, num_losses = [], [], [], [], 0
+    use_roles: list[int] = []
     site_uses: list[int | None] = []
     scan_lengths: list[int] = []
     owner: dict[int, int] = {}
@@ -137,13 +149,14 @@ def trace(
         scan_lengths.append(length)
         shared = {owner[leaf] for leaf in leaf_ids if leaf in owner}
         if shared:
-            index = _shared_layer(shared, layers, leaves_of, info, leaf_ids)
-            uses = layers[index].num_uses + info.num_uses
-            layers[index] = dataclasses.replace(layers[index], num_uses=uses)
+            index, role = _join_layer(shared, layers, leaves_of, info, leaf_ids)
+            owner.update({leaf: index for leaf in leaf_ids})
             use_to_layer.append(index)
+            use_roles.append(role)
             continue
         owner.update({leaf: len(layers) for leaf in leaf_ids})
         use_to_layer.append(len(layers))
+        use_roles.append(0)
         layers.append(info)
         leaves_of.append(leaf_ids)
     if num_losses == 0:
@@ -165,31 +178,70 @@ def trace(
         num_losses,
         tuple(site_uses),
         tuple(scan_lengths),
+        tuple(use_roles),
     )
 
 
-def _shared_layer(shared: set[int], layers, leaves_of, info: LayerInfo, leaf_ids) -> int:
-    """The layer whose parameters a new tag shares; the uses must be the same kind of layer."""
-    (index,) = shared if len(shared) == 1 else (None,)
-    first = layers[index] if index is not None else None
+def _same_kind(first: LayerInfo, first_leaves, info: LayerInfo, leaf_ids) -> bool:
+    """Whether two tags are the same layer applied twice (one block folds their uses)."""
     k = 1 if info.stack_size is None else 2  # per-example shapes: after [batch] or [L, batch]
-    same = (
-        first is not None
-        and leaves_of[index] == leaf_ids
+    return (
+        tuple(first_leaves) == tuple(leaf_ids)
         and first.tag_name == info.tag_name
         and first.stack_size == info.stack_size
         and dict(first.meta) == dict(info.meta)
         and [s[k:] for s in first.input_shapes] == [s[k:] for s in info.input_shapes]
         and [s[k:] for s in first.output_shapes] == [s[k:] for s in info.output_shapes]
     )
-    if not same:
+
+
+def _join_layer(shared: set[int], layers, leaves_of, info: LayerInfo, leaf_ids) -> tuple[int, int]:
+    """Adds a tag that shares parameters with an earlier layer: ``(layer, role)``.
+
+    The same kind of layer on the same parameters is one more use of it (tied
+    weights of one kind); another kind makes the layer a tied one (pseudo tag
+    ``"tied"``, one role per kind, served by `kfacx.blocks.TiedKroneckerFactored`
+    by default), updated in ``layers`` and ``leaves_of``.
+    """
+    if len(shared) > 1:
+        paths = [p for i in sorted(shared) for p in layers[i].parameter_paths]
         raise ValueError(
-            f"Layer {info.name} shares parameters with another layer tag but is not the same "
-            "kind of layer (same tag, parameters, metadata and per-example shapes), so they "
-            "cannot be served by one block. Tag the shared parameters once, or with "
-            "kfacx.register_generic."
+            f"Layer {info.name} shares parameters with several other layer tags ({paths}); "
+            "one block serves one group of shared parameters. Tag the shared parameters once, "
+            "or with kfacx.register_generic."
         )
-    return index
+    (index,) = shared
+    first = layers[index]
+    roles = first.roles or (first,)
+    role_params = first.role_params or (tuple(range(len(leaves_of[index]))),)
+    for r, (role, positions) in enumerate(zip(roles, role_params, strict=True)):
+        if _same_kind(role, [leaves_of[index][i] for i in positions], info, leaf_ids):
+            role = dataclasses.replace(role, num_uses=role.num_uses + info.num_uses)
+            roles = roles[:r] + (role,) + roles[r + 1 :]
+            if first.roles:
+                layers[index] = dataclasses.replace(first, roles=roles)
+            else:
+                layers[index] = role
+            return index, r
+    leaves = list(leaves_of[index]) + [i for i in leaf_ids if i not in leaves_of[index]]
+    roles += (info,)
+    role_params += (tuple(leaves.index(i) for i in leaf_ids),)
+    shapes, paths, dtypes = {}, {}, {}
+    for role, positions in zip(roles, role_params, strict=True):
+        for j, pos in enumerate(positions):
+            shapes[pos] = tuple(role.parameter_shapes[j])
+            paths[pos] = role.parameter_paths[j]
+            dtypes[pos] = role.parameter_dtypes[j]
+    layers[index] = LayerInfo(
+        tag_name=TIED_TAG,
+        parameter_paths=tuple(paths[i] for i in range(len(leaves))),
+        parameter_shapes=tuple(shapes[i] for i in range(len(leaves))),
+        parameter_dtypes=tuple(dtypes[i] for i in range(len(leaves))),
+        roles=roles,
+        role_params=role_params,
+    )
+    leaves_of[index] = tuple(leaves)
+    return index, len(roles) - 1
 
 
 def _layer_info(tag, eqn, ins, param_paths) -> tuple[LayerInfo, tuple[int, ...]]:
@@ -321,7 +373,7 @@ def _forward(traced: TracedFunction, flat_args: Sequence[Any], perturbations: Se
         if use is None:
             loss_operands.append(out)
             continue
-        leaves = traced.layer_param_leaves[traced.use_to_layer[use]]
+        leaves = traced.use_param_leaves(use)
         records.append(dict(out, params=tuple(params[i] for i in leaves)))
     predictions = tuple(ops[0] for _, ops in loss_operands)
     return predictions, (records, loss_operands, outputs)
@@ -341,33 +393,43 @@ def _zero_perturbations(traced: TracedFunction) -> tuple:
 class LayerTagsVjp:
     """The vjp returned by `layer_tags_vjp`: loss cotangents -> per-layer estimation data."""
 
-    def __init__(self, tangents_fn, records, use_to_layer, use_scans=None):
+    def __init__(self, tangents_fn, records, use_to_layer, use_scans=None, roles=None):
         self._tangents_fn = tangents_fn
         self._records = records
         self._use_to_layer = use_to_layer
         # Per use: (length of the scan it sits in or 0, whether its layer is stacked).
         self._use_scans = tuple(use_scans or ((0, False),) * len(records))
+        # Per use: its role in a tied layer, or None for an ordinary layer.
+        self._roles = tuple(roles or (None,) * len(records))
 
     def tangents(self, loss_cotangents: Sequence[jax.Array]) -> tuple[tuple[jax.Array, ...], ...]:
         """The cotangents of every layer's outputs (without the layer data)."""
         return self._tangents_fn(tuple(loss_cotangents))
 
     def _data(self, tangents, batch_axis: int, example_mask) -> tuple[dict, ...]:
-        uses: dict[int, list[dict]] = {}
+        uses: dict[int, dict[int | None, list[dict]]] = {}
         stacked: dict[int, bool] = {}
-        for rec, t, layer, (length, is_stacked) in zip(
-            self._records, tangents, self._use_to_layer, self._use_scans, strict=True
+        for rec, t, layer, (length, is_stacked), role in zip(
+            self._records, tangents, self._use_to_layer, self._use_scans, self._roles, strict=True
         ):
             use = dict(rec, outputs_tangent=tuple(t))
             if example_mask is not None:
                 use["mask"] = example_mask
             if length and not is_stacked:
                 use = _fold_scan(use, batch_axis, length)
-            uses.setdefault(layer, []).append(use)
+            uses.setdefault(layer, {}).setdefault(role, []).append(use)
             stacked[layer] = is_stacked
-        return tuple(
-            _fold_uses(uses[i], batch_axis, lead=int(stacked[i])) for i in range(len(uses))
-        )
+
+        def layer_data(i):
+            folded = {
+                role: _fold_uses(role_uses, batch_axis, lead=int(stacked[i]))
+                for role, role_uses in sorted(uses[i].items(), key=lambda kv: kv[0] or 0)
+            }
+            if None in folded:
+                return folded[None]
+            return dict(roles=tuple(folded.values()))
+
+        return tuple(layer_data(i) for i in range(len(uses)))
 
     def __call__(
         self, loss_cotangents: Sequence[jax.Array], example_mask: jax.Array | None = None
@@ -456,6 +518,14 @@ def _fold_uses(uses: list[dict], batch_axis: int, lead: int = 0) -> dict:
     return folded
 
 
+def _use_roles(traced: TracedFunction) -> tuple[int | None, ...]:
+    """Per use: its role if its layer is a tied one, else None."""
+    return tuple(
+        role if traced.layers[layer].roles else None
+        for layer, role in zip(traced.use_to_layer, traced.use_roles, strict=True)
+    )
+
+
 def _use_scans(traced: TracedFunction) -> tuple[tuple[int, bool], ...]:
     """Per use: the length of the scan it sits in (0 outside scans) and whether its
     layer is stacked."""
@@ -494,7 +564,13 @@ def layer_tags_vjp(
     predictions, vjp_fn, (records, loss_operands, _) = jax.vjp(
         lambda p: _forward(traced, flat_args, p), _zero_perturbations(traced), has_aux=True
     )
-    vjp = LayerTagsVjp(lambda cts: vjp_fn(cts)[0], records, traced.use_to_layer, _use_scans(traced))
+    vjp = LayerTagsVjp(
+        lambda cts: vjp_fn(cts)[0],
+        records,
+        traced.use_to_layer,
+        _use_scans(traced),
+        _use_roles(traced),
+    )
     return _make_losses(loss_operands, predictions), vjp
 
 
@@ -547,7 +623,9 @@ def value_and_grad_and_layer_tags_vjp(
     def tangents(cotangents):
         return vjp_fn((jnp.zeros_like(loss), tuple(cotangents)))[1]
 
-    vjp = LayerTagsVjp(tangents, records, traced.use_to_layer, _use_scans(traced))
+    vjp = LayerTagsVjp(
+        tangents, records, traced.use_to_layer, _use_scans(traced), _use_roles(traced)
+    )
     return value, grads, _make_losses(loss_operands, predictions), vjp
 
 

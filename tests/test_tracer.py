@@ -364,8 +364,8 @@ def test_computed_parameter_raises():
         tracer.trace(loss_fn, (params, batch))
 
 
-def test_parameter_shared_by_two_different_layers_raises():
-    """(w1, b1) and (w1,) overlap but are not the same layer: no block can serve both."""
+def test_parameter_shared_by_two_different_layers_makes_a_tied_layer():
+    """(w1, b1) and (w1,) overlap but are not the same layer: one tied layer, a role each."""
     params, batch = _params(), _batch()
 
     def loss_fn(params, batch):
@@ -373,11 +373,34 @@ def test_parameter_shared_by_two_different_layers_raises():
         (w1, b1), (w2, b2), _ = params
         h = kfacx.register_dense(dense(x, w1, b1), x, w1, b1)
         h2 = kfacx.register_dense(x @ w1, x, w1)
-        logits = _tagged_dense(jnp.tanh(h + h2), w2, b2)
+        h3 = kfacx.register_dense(x @ w1, x, w1)
+        logits = _tagged_dense(jnp.tanh(h + h2 + h3), w2, b2)
         return kfacx.register_softmax_cross_entropy_loss(logits, labels).sum()
 
-    with pytest.raises(ValueError, match="shares parameters with another layer tag"):
-        tracer.trace(loss_fn, (params, batch))
+    traced = tracer.trace(loss_fn, (params, batch))
+    tied = traced.layers[0]
+    assert tied.tag_name == "tied" and tied.parameter_paths == ("0/0", "0/1")
+    assert [r.parameter_paths for r in tied.roles] == [("0/0", "0/1"), ("0/0",)]
+    assert [r.num_uses for r in tied.roles] == [1, 2]
+    assert tied.role_params == ((0, 1), (0,))
+    assert traced.use_to_layer[:3] == (0, 0, 0) and traced.use_roles[:3] == (0, 1, 1)
+    assert [traced.use_param_leaves(u) for u in range(3)] == [(0, 1), (0,), (0,)]
+
+
+def test_parameter_shared_by_layers_no_block_serves_raises_naming_it():
+    params, batch = tuple(_params()[:2]), _batch()
+
+    def loss_fn(params, batch):
+        x, labels, _ = batch
+        (w1, b1), (w2, b2) = params
+        h = kfacx.register_dense(dense(x, w1, b1), x, w1, b1)
+        h = kfacx.register_scale_and_shift(h * b1[None, :], h, scale=b1)
+        logits = _tagged_dense(jnp.tanh(h), w2, b2)
+        return kfacx.register_softmax_cross_entropy_loss(logits, labels).sum()
+
+    est = kfacx.BlockDiagonalCurvature(loss_fn, auto_register_tags=False)
+    with pytest.raises(ValueError, match=r"TiedKroneckerFactored\(tied\[0/0, 0/1\]\).*scale_and"):
+        est.init(jax.random.PRNGKey(0), (params, batch))
 
 
 def test_params_index_out_of_range_raises():

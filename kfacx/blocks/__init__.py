@@ -4,7 +4,9 @@ All blocks are pure: ``init`` / ``update_curvature_matrix_estimate`` /
 ``update_cache`` return a new `BlockState`; ``multiply_matpower`` returns a new
 vector. Abstract bases: `CurvatureBlock` and `TwoKroneckerFactored`.
 `StackedBlock` wraps any block for layers stacked along a leading axis
-(`lax.scan` over the parameters, `hk.layer_stack`).
+(`lax.scan` over the parameters, `hk.layer_stack`); `TiedKroneckerFactored`
+serves a 2-D weight used by dense and embedding layers of different kinds
+(tied input/output embeddings, ``w`` and ``w.T``).
 """
 
 from kfacx.blocks._base import (
@@ -38,6 +40,13 @@ from kfacx.blocks._kronecker import (
     TwoKroneckerFactored,
 )
 from kfacx.blocks._stacked import StackedBlock
+from kfacx.blocks._tied import (
+    TIED_TAG,
+    TiedCache,
+    TiedEigen,
+    TiedFactor,
+    TiedKroneckerFactored,
+)
 
 __all__ = [
     "BlockState",
@@ -59,6 +68,11 @@ __all__ = [
     "ScaleAndShiftDiagonal",
     "ScaleAndShiftFull",
     "StackedBlock",
+    "TIED_TAG",
+    "TiedCache",
+    "TiedEigen",
+    "TiedFactor",
+    "TiedKroneckerFactored",
     "TwoKroneckerFactored",
     "WeightedMovingAverage",
     "flatten_params",

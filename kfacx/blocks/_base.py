@@ -51,6 +51,13 @@ class LayerInfo:
         stacked along a leading axis; every shape above then starts with
         ``L`` (`unstacked` describes one slice). The estimator serves it with
         a `kfacx.blocks.StackedBlock`.
+      roles: for a *tied* layer (pseudo tag ``"tied"``: parameters that layer tags
+        of different kinds use, e.g. a table used for the embedding lookup and,
+        transposed, for the output projection), the `LayerInfo` of each kind of
+        use; empty otherwise. Its estimation data is ``{"roles": (data, ...)}``,
+        one per role, each as for an ordinary layer.
+      role_params: for each role, the positions of its parameters among this
+        layer's parameters.
     """
 
     tag_name: str
@@ -63,6 +70,8 @@ class LayerInfo:
     compute: Callable[..., tuple] | None = None
     num_uses: int = 1
     stack_size: int | None = None
+    roles: tuple[LayerInfo, ...] = ()
+    role_params: tuple[tuple[int, ...], ...] = ()
 
     @property
     def name(self) -> str:

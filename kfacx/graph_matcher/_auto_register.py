@@ -246,7 +246,10 @@ def auto_register_tags(
     for note in notes:
         _warn(f"kfacx: {note}")
     sources = {leaf: "manual" for leaf in manual}
-    sources.update({leaf: m.pattern.name for m in plan.all_matches() for leaf in m.param_leaves})
+    for m in plan.all_matches():
+        for leaf in m.param_leaves:
+            names = sources[leaf].split("+") if sources.get(leaf, "manual") != "manual" else []
+            sources[leaf] = "+".join(dict.fromkeys([*names, m.pattern.name]))
     unmatched = [p for i, p in enumerate(paths) if i not in sources]
     if unmatched and on_unmatched == "error":
         raise ValueError(
@@ -291,8 +294,11 @@ def _manual_claims(jaxpr, origins) -> dict[int, tuple]:
 def _tagged_leaves(jaxpr, origins) -> dict[int, tuple[str, int, int, int | None]]:
     """Parameter leaf -> (tag name, layer index, uses, stack size) for every layer tag, in
     evaluation order (a layer applied several times with the same parameters, e.g. at every
-    iteration of a scan, is one layer; a scan over its parameters makes a stacked layer)."""
+    iteration of a scan, is one layer; a scan over its parameters makes a stacked layer;
+    parameters that layer tags of different kinds use make one tied layer, whose tag name
+    lists the kinds: ``"tied(embedding_tag, dense_tag)"``)."""
     out: dict[int, list] = {}
+    kinds: dict[int, list[tuple]] = {}  # leaf -> (tag, meta) of each kind of use
     layer = 0
     for eqn, ins, scans in _jaxpr.tag_sites(jaxpr, origins):
         tag = tags.layer_tag_for(eqn.primitive)
@@ -303,12 +309,22 @@ def _tagged_leaves(jaxpr, origins) -> dict[int, tuple[str, int, int, int | None]
         stacked = any(isinstance(o, _jaxpr.ScanSlice) for o in params)
         length = int(scans[-1].params["length"]) if scans else None
         uses = length if scans and not stacked else 1
-        if leaves and all(o in out for o in leaves):
-            for o in leaves:
-                out[o][2] += uses
+        kind = (tag.name, tuple(sorted(eqn.params.items())))
+        known = [o for o in leaves if o in out]
+        if not known:
+            out.update({o: [tag.name, layer, uses, length if stacked else None] for o in leaves})
+            kinds.update({o: [kind] for o in leaves})
+            layer += 1
             continue
-        out.update({o: [tag.name, layer, uses, length if stacked else None] for o in leaves})
-        layer += 1
+        index = out[known[0]][1]
+        for o in leaves:
+            if o not in out:
+                out[o], kinds[o] = [tag.name, index, 0, length if stacked else None], []
+            out[o][2] += uses
+            if kind not in kinds[o]:
+                kinds[o].append(kind)
+            if len(kinds[o]) > 1:
+                out[o][0] = f"tied({', '.join(name for name, _ in kinds[o])})"
     return {o: tuple(v) for o, v in out.items()}
 
 

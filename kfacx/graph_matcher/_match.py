@@ -334,6 +334,27 @@ def claim_key(tag_name: str, leaves: Sequence[int], meta: dict, stacked: bool = 
     return (tag_name, tuple(leaves), tuple(sorted(meta.items())), stacked)
 
 
+#: Layer tags whose uses of one 2-D weight a tied block serves together
+#: (`kfacx.blocks.TiedKroneckerFactored`): tied embeddings, w and w.T.
+TIEABLE_TAGS = ("dense_tag", "embedding_tag")
+
+
+def can_tie(key: tuple, other: tuple, shapes: dict[int, tuple[int, ...]]) -> bool:
+    """Whether two layers (`claim_key`s) that share parameters make one tied layer: both
+    dense or embedding layers, not stacked, sharing one 2-D weight, their first parameter
+    (``shapes``: leaf -> shape)."""
+    shared = set(key[1]) & set(other[1])
+    if len(shared) != 1 or key[3] or other[3]:
+        return False
+    (leaf,) = shared
+    return (
+        key[0] in TIEABLE_TAGS
+        and other[0] in TIEABLE_TAGS
+        and key[1][0] == leaf == other[1][0]
+        and len(shapes.get(leaf, ())) == 2
+    )
+
+
 def _try_match(pattern, graph, t_eqn, claimed, claims, notes) -> Match | None:
     p = pattern.jaxpr
     p_out = p.outvars[0]
@@ -378,12 +399,15 @@ def _try_match(pattern, graph, t_eqn, claimed, claims, notes) -> Match | None:
     key = claim_key(pattern.tag_primitive.name, leaves, match.meta, match.stacked)
     if any(claims.get(leaf) == MANUAL for leaf in leaves):
         return None  # Tagged by hand: the user's registration is kept as it is.
-    if any(claims.get(leaf, key) != key for leaf in leaves):
+    others = {claims[leaf] for leaf in leaves if claims.get(leaf, key) != key}
+    shapes = dict(zip(leaves, (tuple(v.aval.shape) for v in params), strict=True))
+    if others and not all(can_tie(key, other, shapes) for other in others):
         notes.append(
             (
-                f"a `{pattern.name}` layer reuses parameters of a different kind of layer (e.g. "
-                "a weight used as w and as w.T); only the first use is tagged, so the curvature "
-                "misses the others",
+                f"a `{pattern.name}` layer reuses parameters of a different kind of layer; "
+                "kfacx serves one 2-D weight shared by dense and embedding layers (tied "
+                "embeddings, w and w.T), not this sharing, so only the first use is tagged "
+                "and the curvature misses the others",
                 tuple(leaves),
             )
         )
@@ -455,15 +479,31 @@ class AmbiguousPatternsError(ValueError):
 
 
 def _check_unambiguous(group: Sequence[GraphPattern], found: Sequence[list[Match]]) -> None:
+    """Raises if two patterns of the group claim the same equations, or the same
+    parameters in a way no block serves together (a tied weight is not ambiguous)."""
     owner_eqn: dict[int, GraphPattern] = {}
-    owner_leaf: dict[int, GraphPattern] = {}
+    owner_leaf: dict[int, tuple[GraphPattern, Match]] = {}
     for pattern, pattern_matches in zip(group, found, strict=True):
         for m in pattern_matches:
-            others = [owner_eqn.get(id(e)) for e in m.eqns] + [
-                owner_leaf.get(leaf) for leaf in m.param_leaves
-            ]
+            others = [owner_eqn.get(id(e)) for e in m.eqns]
+            for leaf in m.param_leaves:
+                if leaf in owner_leaf and not _tied(owner_leaf[leaf][1], m):
+                    others.append(owner_leaf[leaf][0])
             other = next((o for o in others if o is not None and o is not pattern), None)
             if other is not None:
                 raise AmbiguousPatternsError(other, pattern, m.param_leaves)
             owner_eqn.update({id(e): pattern for e in m.eqns})
-            owner_leaf.update({leaf: pattern for leaf in m.param_leaves})
+            owner_leaf.update({leaf: (pattern, m) for leaf in m.param_leaves})
+
+
+def _tied(first: Match, second: Match) -> bool:
+    keys = [
+        claim_key(m.pattern.tag_primitive.name, m.param_leaves, m.meta, m.stacked)
+        for m in (first, second)
+    ]
+    shapes = {
+        leaf: tuple(v.aval.shape)
+        for m in (first, second)
+        for leaf, v in zip(m.param_leaves, m.param_vars, strict=True)
+    }
+    return keys[0] == keys[1] or can_tie(keys[0], keys[1], shapes)
