@@ -265,6 +265,18 @@ def _layer_info(tag, eqn, ins, param_paths) -> tuple[LayerInfo, tuple[int, ...]]
         meta=dict(eqn.params),
         compute=tag.compute,
     )
+    axis = tags.stacked_input_axis(tag.name, eqn.params, info.parameter_shapes)
+    if axis is not None:
+        # A stacked dense layer (a batch dimension over the weight's leading axis): the
+        # slices are separate layers, described like those of a scan over parameters.
+        (x_shape,) = info.input_shapes
+        moved = (x_shape[axis],) + x_shape[:axis] + x_shape[axis + 1 :]
+        info = dataclasses.replace(
+            info,
+            input_shapes=(moved,),
+            meta=tags.dense_slice_meta(eqn.params["dimension_numbers"]),
+            stack_size=int(info.parameter_shapes[0][0]),
+        )
     return info, leaf_ids
 
 
@@ -281,6 +293,12 @@ def _scan_layer_info(info: LayerInfo, param_origins, scans) -> tuple[LayerInfo, 
     """
     if not scans:
         return info, 0
+    if info.stack_size is not None:
+        raise ValueError(
+            f"Layer {info.name} is a stacked dense layer (a batch dimension over its weight's "
+            "leading axis) inside a `scan`; kfacx serves one level of stacking. Move the "
+            "layer out of the scan, or scan over the slices instead of batching them."
+        )
     if len(scans) > 1:
         raise ValueError(
             f"Layer {info.name} sits inside {len(scans)} nested `scan`s; kfacx serves layers "
@@ -356,7 +374,10 @@ def _forward(traced: TracedFunction, flat_args: Sequence[Any], perturbations: Se
         layer_tag = tags.layer_tag_for(eqn.primitive)
         if layer_tag is None:
             return invals[:1], (eqn, tuple(invals))
-        outputs, inputs, _ = layer_tag.split(invals)
+        outputs, inputs, params = layer_tag.split(invals)
+        axis = tags.stacked_input_axis(layer_tag.name, eqn.params, [jnp.shape(p) for p in params])
+        if axis is not None:  # the slices' axis first, as for a layer stacked by a scan
+            inputs = [jnp.moveaxis(inputs[0], axis, 0)]
         perturbed = [o + p for o, p in zip(outputs, perturbation, strict=True)]
         return perturbed, dict(inputs=inputs, outputs=outputs)
 

@@ -138,8 +138,8 @@ def _evaluate(jaxpr, consts, args, plan: _Plan):
         for v, val in zip(eqn.outvars, outvals, strict=True):
             match = by_output.get(id(v))
             if match is not None:
-                x = match.pattern.tag_inputs([read(u) for u in match.input_vars])
                 p = [read(u) for u in match.param_vars]
+                x = match.pattern.tag_inputs([read(u) for u in match.input_vars], p)
                 val = match.pattern.tag_primitive.bind(val, *x, *p, **match.meta)[0]
             env[v] = val
     return [read(v) for v in jaxpr.outvars]
@@ -308,6 +308,9 @@ def _tagged_leaves(jaxpr, origins) -> dict[int, tuple[str, int, int, int | None]
         leaves = [_jaxpr.leaf_origin(o) for o in params]
         stacked = any(isinstance(o, _jaxpr.ScanSlice) for o in params)
         length = int(scans[-1].params["length"]) if scans else None
+        shapes = [v.aval.shape for v in tag.split(eqn.invars)[2]]
+        if tags.stacked_input_axis(tag.name, eqn.params, shapes) is not None:
+            stacked, length = True, int(shapes[0][0])  # a stacked dense layer (batch dims)
         uses = length if scans and not stacked else 1
         kind = (tag.name, tuple(sorted(eqn.params.items())))
         known = [o for o in leaves if o in out]

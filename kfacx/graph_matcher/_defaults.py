@@ -33,15 +33,45 @@ def dense_parameters_extractor(eqns: Sequence[Any]) -> dict[str, Any]:
 
 def weight_first_dense_parameters_extractor(eqns: Sequence[Any]) -> dict[str, Any]:
     """Reads the contraction of ``dot_general(w, x)`` followed by a transpose (as
-    in ``jax.vmap`` of ``w @ x``, e.g. Equinox's Linear) as a dense layer ``x . w``.
+    in ``jax.vmap`` of ``w @ x``, e.g. Equinox's Linear) as a dense layer ``x . w``;
+    with a batch dimension over ``w``'s leading axis (Equinox under `jax.vmap` over
+    stacked members), a stacked one.
 
     Raises:
-      ValueError: for batched contractions.
+      ValueError: when the transpose does not give the dense layout (batch, x's free
+        axes, w's free axes), or for other batched contractions.
     """
-    eqn = _find(eqns, "dot_general")
+    eqn, transpose = _find(eqns, "dot_general"), _find(eqns, "transpose")
+    w, x = (v.aval for v in eqn.invars)
+    (w_axes, x_axes), (w_batch, x_batch) = eqn.params["dimension_numbers"]
+    nb = len(w_batch)
+    w_free, x_free = w.ndim - len(w_axes) - nb, x.ndim - len(x_axes) - nb
+    # dot_general(w, x) is [batch, w free, x free]; the layer's output [batch, x free, w free].
+    want = (*range(nb), *range(nb + w_free, nb + w_free + x_free), *range(nb, nb + w_free))
+    if tuple(transpose.params["permutation"]) != want:
+        raise ValueError("not the dense layout")
+    return tags.dense_meta(x.shape, w.shape, ((x_axes, w_axes), (x_batch, w_batch)))
+
+
+def weight_first_shared_input_parameters_extractor(eqns: Sequence[Any]) -> dict[str, Any]:
+    """Reads ``transpose(dot_general(w, x)) + b`` with ``w [M, ...]`` (Equinox's Linear
+    under `jax.vmap` over stacked members, on an input shared by all of them) as a stacked
+    dense layer on ``x`` broadcast to ``[M, *x.shape]``.
+
+    Raises:
+      ValueError: when ``w``'s leading axis is contracted or does not come first.
+    """
+    eqn, transpose = _find(eqns, "dot_general"), _find(eqns, "transpose")
     w, x = (v.aval for v in eqn.invars)
     (w_axes, x_axes), batch = eqn.params["dimension_numbers"]
-    return tags.dense_meta(x.shape, w.shape, ((x_axes, w_axes), batch))
+    if batch[0] or batch[1] or 0 in w_axes:
+        raise ValueError("not a contraction over a stacked weight")
+    w_free, x_free = w.ndim - len(w_axes), x.ndim - len(x_axes)
+    want = (0, *range(w_free, w_free + x_free), *range(1, w_free))
+    if tuple(transpose.params["permutation"]) != want:
+        raise ValueError("the stack axis does not come first")
+    stacked = ((tuple(a + 1 for a in x_axes), tuple(w_axes)), ((0,), (0,)))
+    return tags.dense_meta((w.shape[0], *x.shape), w.shape, stacked)
 
 
 def transposed_weight_dense_parameters_extractor(eqns: Sequence[Any]) -> dict[str, Any]:
@@ -54,6 +84,8 @@ def transposed_weight_dense_parameters_extractor(eqns: Sequence[Any]) -> dict[st
     perm = transpose.params["permutation"]
     x, w_t = (v.aval for v in dot.invars)
     (x_axes, wt_axes), batch = dot.params["dimension_numbers"]
+    if batch[0] or batch[1]:
+        raise ValueError("batched contraction of a transposed weight")
     w_shape = transpose.invars[0].aval.shape
     w_axes = tuple(perm[a] for a in wt_axes)
     meta = tags.dense_meta(x.shape, w_shape, ((x_axes, w_axes), batch))
@@ -62,6 +94,32 @@ def transposed_weight_dense_parameters_extractor(eqns: Sequence[Any]) -> dict[st
     if free_t != sorted(free_t):
         raise ValueError("transposed free axes")
     return meta
+
+
+def shared_input_stacked_dense_parameters_extractor(eqns: Sequence[Any]) -> dict[str, Any]:
+    """Reads ``transpose(dot_general(x, w)) + b`` with ``w [M, ...]`` whose leading axis is
+    moved to the front (``jax.vmap`` over the weights of an input shared by every slice,
+    e.g. ensemble members) as a stacked dense layer on ``x`` broadcast to ``[M, *x.shape]``.
+
+    Raises:
+      ValueError: when the leading weight axis is contracted or not moved to the front.
+    """
+    transpose, dot = _find(eqns, "transpose"), _find(eqns, "dot_general")
+    x, w = (v.aval for v in dot.invars)
+    (x_axes, w_axes), batch = dot.params["dimension_numbers"]
+    if batch[0] or batch[1] or 0 in w_axes:
+        raise ValueError("not a contraction over a stacked weight")
+    x_free = x.ndim - len(x_axes)
+    perm = tuple(transpose.params["permutation"])
+    out_ndim = x_free + w.ndim - len(w_axes)
+    if perm != (x_free, *range(x_free), *range(x_free + 1, out_ndim)):
+        raise ValueError("the stack axis is not moved to the front")
+    stacked = ((tuple(a + 1 for a in x_axes), tuple(w_axes)), ((0,), (0,)))
+    return tags.dense_meta((w.shape[0], *x.shape), w.shape, stacked)
+
+
+def _broadcast_to_stack(x, params):
+    return (jnp.broadcast_to(x, (params[0].shape[0], *x.shape)),)
 
 
 def conv_parameters_extractor(eqns: Sequence[Any]) -> dict[str, Any]:
@@ -186,6 +244,32 @@ TRANSPOSED_WEIGHT_DENSE = GraphPattern(
     example_args=[_z(2, 3), [_z(4, 3)]],
     precedence=12,
 )
+WEIGHT_FIRST_SHARED_INPUT_STACKED_DENSE_WITH_BIAS = GraphPattern(
+    name="weight_first_shared_input_stacked_dense_with_bias",
+    tag_primitive=tags.dense,
+    compute_func=lambda x, p: (
+        jnp.transpose(jax.lax.dot_general(p[0], x, (((2,), (1,)), ((), ()))), (0, 2, 1))
+        + p[1][:, None, :]
+    ),
+    parameters_extractor_func=weight_first_shared_input_parameters_extractor,
+    example_args=[_z(2, 3), [_z(4, 5, 3), _z(4, 5)]],
+    precedence=30,
+    tag_inputs_func=_broadcast_to_stack,
+    tag_inputs_from_params=True,
+)
+SHARED_INPUT_STACKED_DENSE_WITH_BIAS = GraphPattern(
+    name="shared_input_stacked_dense_with_bias",
+    tag_primitive=tags.dense,
+    compute_func=lambda x, p: (
+        jnp.transpose(jax.lax.dot_general(x, p[0], (((1,), (1,)), ((), ()))), (1, 0, 2))
+        + p[1][:, None, :]
+    ),
+    parameters_extractor_func=shared_input_stacked_dense_parameters_extractor,
+    example_args=[_z(2, 3), [_z(4, 3, 5), _z(4, 5)]],
+    precedence=30,
+    tag_inputs_func=_broadcast_to_stack,
+    tag_inputs_from_params=True,
+)
 CONV_WITH_BIAS = GraphPattern(
     name="conv_with_bias",
     tag_primitive=tags.conv,
@@ -286,6 +370,8 @@ DEFAULT_GRAPH_PATTERNS: tuple[GraphPattern, ...] = (
     DENSE_WITH_BIAS,
     WEIGHT_FIRST_DENSE_WITH_BIAS,
     TRANSPOSED_WEIGHT_DENSE_WITH_BIAS,
+    SHARED_INPUT_STACKED_DENSE_WITH_BIAS,
+    WEIGHT_FIRST_SHARED_INPUT_STACKED_DENSE_WITH_BIAS,
     CONV_WITH_BIAS,
     NORMALIZATION,
     OFFSET_SCALE_AND_SHIFT,

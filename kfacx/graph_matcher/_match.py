@@ -300,7 +300,8 @@ def _check_numerically(match: Match, todo) -> bool:
                 params,
                 match.output_var,
             )
-            (got,) = compute(match.pattern.tag_inputs(inputs), tuple(params), **match.meta)
+            tag_inputs = match.pattern.tag_inputs(inputs, params)
+            (got,) = compute(tag_inputs, tuple(params), **match.meta)
             return want, got
 
         try:

@@ -39,6 +39,9 @@ class GraphPattern:
         of the graph (e.g. normalizations that fold the scale into
         ``rsqrt(var)``: inputs ``(x - mean, rsqrt(var))``, tag input their
         product). Default: the matched inputs themselves.
+      tag_inputs_from_params: whether ``tag_inputs_func`` also takes the matched
+        parameters, as a last argument (a list): ``f(*inputs, params)`` (e.g. an
+        input shared by the slices of a stacked layer, broadcast to their number).
 
     Example::
 
@@ -57,6 +60,7 @@ class GraphPattern:
     example_args: Sequence[Any]
     precedence: int = 0
     tag_inputs_func: Callable[..., tuple] | None = None
+    tag_inputs_from_params: bool = False
 
     def __post_init__(self):
         if not isinstance(self.tag_primitive, LayerTag):
@@ -104,10 +108,12 @@ class GraphPattern:
             )
         return closed.jaxpr
 
-    def tag_inputs(self, inputs: Sequence[Any]) -> tuple:
-        """The tag's inputs computed from the matched pattern inputs."""
+    def tag_inputs(self, inputs: Sequence[Any], params: Sequence[Any] = ()) -> tuple:
+        """The tag's inputs computed from the matched pattern inputs (and parameters)."""
         if self.tag_inputs_func is None:
             return tuple(inputs)
+        if self.tag_inputs_from_params:
+            return tuple(self.tag_inputs_func(*inputs, list(params)))
         return tuple(self.tag_inputs_func(*inputs))
 
     def __repr__(self) -> str:

@@ -11,6 +11,8 @@ from kfacx.tags._layer_tags import (
     conv_meta,
     dense,
     dense_meta,
+    dense_slice_meta,
+    dense_stack_size,
     embedding,
     generic,
     layer_tag_for,
@@ -21,6 +23,7 @@ from kfacx.tags._layer_tags import (
     register_generic,
     register_scale_and_shift,
     scale_and_shift,
+    stacked_input_axis,
 )
 from kfacx.tags._loss_tags import (
     LossTag,
@@ -41,6 +44,8 @@ __all__ = [
     "conv_meta",
     "dense",
     "dense_meta",
+    "dense_slice_meta",
+    "dense_stack_size",
     "embedding",
     "generic",
     "layer_tag_for",
@@ -57,6 +62,7 @@ __all__ = [
     "register_softmax_cross_entropy_loss",
     "register_squared_error_loss",
     "scale_and_shift",
+    "stacked_input_axis",
     "sigmoid_cross_entropy",
     "softmax_cross_entropy",
 ]
