@@ -199,19 +199,20 @@ def test_register_dense_rejects_bad_stacking(kwargs, match):
         kfacx.register_dense(y, x, w, b, dimension_numbers=kwargs["dimension_numbers"])
 
 
-def test_stacked_dense_layer_inside_a_scan_raises(x64):
+def test_hand_tagged_stacked_dense_layer_inside_a_scan_raises(x64):
     params = _params()
 
     def loss(p, batch):
         x, t = batch
 
         def body(c, _):
-            return c, jax.lax.dot_general(x, p["w1"], STACKED)
+            y = jax.lax.dot_general(x, p["w1"], STACKED)
+            return c, kfacx.register_dense(y, x, p["w1"], dimension_numbers=STACKED)
 
         _, ys = jax.lax.scan(body, 0.0, None, length=2)
         return _xent(ys.sum((0, 1, 3))[:, None] * jnp.ones((1, O)), t)
 
-    est = kfacx.BlockDiagonalCurvature(loss, auto_register_kwargs=dict(on_unmatched="full"))
+    est = kfacx.BlockDiagonalCurvature(loss, auto_register_tags=False)
     with pytest.raises(ValueError, match="stacked dense layer .* inside a `scan`"):
         est.init(jax.random.PRNGKey(0), (params, _batch(False)))
 
@@ -280,3 +281,28 @@ def test_framework_ensembles_are_stacked_layers_and_train(make):
         params, state, stats = opt.step(params, state, jax.random.PRNGKey(1 + i), batch=batch)
         losses.append(float(stats["loss"]))
     assert np.all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+
+
+def test_detected_stacked_dense_inside_a_scan_falls_back_with_a_note(x64):
+    """Experts inside a layer stack are two levels of stacking: detection leaves them to
+    the fallback block and says so, instead of failing at init."""
+    rng = np.random.default_rng(7)
+    params = dict(w=rng.normal(size=(2, M, I, I)))
+    x = jnp.asarray(rng.normal(size=(M, B, I)))
+    t = jnp.asarray(rng.integers(0, O, (B,)))
+
+    def loss(p, batch):
+        x, t = batch
+        h, _ = jax.lax.scan(
+            lambda h, w: (jnp.tanh(jnp.einsum("ebd,edf->ebf", h, w)), None), x, p["w"]
+        )
+        return _xent(h.sum((0, 2))[:, None] * jnp.ones((1, O)), t)
+
+    est = kfacx.BlockDiagonalCurvature(loss)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        est.init(jax.random.PRNGKey(0), (params, (x, t)))
+    messages = [str(w.message) for w in caught]
+    assert any("stacked dense layer" in m and "inside a `scan`" in m for m in messages), messages
+    assert any("no layer pattern matched parameters ['w']" in m for m in messages), messages
+    assert est.report.unmatched == ("w",)

@@ -54,6 +54,8 @@ def _plan(jaxpr, origins, patterns, claims: dict[int, tuple], notes: list, in_sc
     scanned-over ones (xs) are labelled `kfacx._jaxpr.ScanSlice` (stacked layers).
     """
     matches = find_matches(jaxpr, origins, patterns, claims, notes)
+    if in_scan:
+        matches = _without_stacked_dense(matches, notes)
     env = dict(zip(jaxpr.invars, origins, strict=True))
     children = {}
     for i, eqn in enumerate(jaxpr.eqns):
@@ -90,6 +92,26 @@ def _plan(jaxpr, origins, patterns, claims: dict[int, tuple], notes: list, in_sc
         if child.matches or child.children:
             children[i] = child
     return _Plan(matches, children)
+
+
+def _without_stacked_dense(matches: list[Match], notes: list) -> list[Match]:
+    """Drops stacked dense layers (batched over the weight's leading axis) found inside a
+    scan body: kfacx serves one level of stacking, so they get the fallback block."""
+    kept = []
+    for m in matches:
+        shapes = [v.aval.shape for v in m.param_vars]
+        if tags.stacked_input_axis(m.pattern.tag_primitive.name, m.meta, shapes) is None:
+            kept.append(m)
+            continue
+        notes.append(
+            (
+                "a stacked dense layer (batched over its weight's leading axis, e.g. experts) "
+                "sits inside a `scan`; kfacx serves one level of stacking, so its parameters "
+                "get the fallback block",
+                tuple(m.param_leaves),
+            )
+        )
+    return kept
 
 
 def _note_scan_carry(eqn, ins, notes: list) -> None:
