@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import warnings
 from collections.abc import Sequence
 
 import haiku as hk
@@ -446,3 +447,29 @@ def loss_of_logits(logits_fn, kind: str = "squared", **kwargs):
         return per_example_loss_sum(kind, z, t, 1.0) / x.shape[0]
 
     return loss
+
+
+# ----------------------------------------------------------------------------- short runs
+
+
+def fixed_rate_run(loss, params, batch, steps, learning_rate=0.3, momentum=0.5, seed=0, **kwargs):
+    """``(optimizer, losses)``: ``steps`` steps of a `kfacx.Optimizer` with a fixed learning
+    rate and momentum, damping 0.01 and ``kwargs``; its ``init`` must warn nothing (every
+    parameter matched, no report note)."""
+    opt = kfacx.Optimizer(
+        jax.value_and_grad(loss),
+        learning_rate_schedule=learning_rate,
+        momentum_schedule=momentum,
+        initial_damping=1e-2,
+        num_burnin_steps=0,
+        **kwargs,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        state = opt.init(params, jax.random.PRNGKey(seed), batch)
+    losses = []
+    for i in range(steps):
+        key = jax.random.PRNGKey(seed + 1 + i)
+        params, state, stats = opt.step(params, state, key, batch=batch)
+        losses.append(float(stats["loss"]))
+    return opt, losses

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _models import fixed_rate_run
 
 import kfacx
 
@@ -152,20 +153,7 @@ def test_vmapped_ensemble_trains():
     rng = np.random.default_rng(4)
     x = jnp.asarray(rng.normal(size=(32, I)), jnp.float32)
     t = jnp.asarray((x[:, 0] > 0).astype(np.int32))
-    opt = kfacx.Optimizer(
-        jax.value_and_grad(_vmapped_loss(True)),
-        learning_rate_schedule=0.3,
-        momentum_schedule=0.5,
-        initial_damping=1e-2,
-        num_burnin_steps=0,
-    )
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        state = opt.init(params, jax.random.PRNGKey(0), (x, t))
-    losses = []
-    for i in range(6):
-        params, state, stats = opt.step(params, state, jax.random.PRNGKey(1 + i), batch=(x, t))
-        losses.append(float(stats["loss"]))
+    _, losses = fixed_rate_run(_vmapped_loss(True), params, (x, t), 6)
     assert np.all(np.isfinite(losses)) and losses[-1] < 0.7 * losses[0], losses
 
 
@@ -262,24 +250,11 @@ def _equinox_ensemble():
 @pytest.mark.parametrize("make", [_flax_ensemble, _equinox_ensemble], ids=["flax", "equinox"])
 def test_framework_ensembles_are_stacked_layers_and_train(make):
     loss, params, batch = make()
-    opt = kfacx.Optimizer(
-        jax.value_and_grad(loss),
-        learning_rate_schedule=0.3,
-        momentum_schedule=0.5,
-        initial_damping=1e-2,
-        num_burnin_steps=0,
-    )
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        state = opt.init(params, jax.random.PRNGKey(0), batch)
+    opt, losses = fixed_rate_run(loss, params, batch, 4)
     report = opt.estimator.report
     assert report.notes == () and report.unmatched == ()
     assert {e.stack_size for e in report.entries} == {M}
     assert {e.block for e in report.entries} == {"StackedBlock(DenseTwoKroneckerFactored)"}
-    losses = []
-    for i in range(4):
-        params, state, stats = opt.step(params, state, jax.random.PRNGKey(1 + i), batch=batch)
-        losses.append(float(stats["loss"]))
     assert np.all(np.isfinite(losses)) and losses[-1] < losses[0], losses
 
 

