@@ -26,6 +26,17 @@ from kfacx.blocks._base import (
 )
 
 
+def id_frequencies(estimation_data, vocab: int, dtype) -> jax.Array:
+    """The input factor of a lookup: how often each id occurs among the real (unmasked)
+    rows, ``[vocab]`` (the diagonal of ``E[onehot onehot^T]``)."""
+    (ids,) = estimation_data["inputs"]
+    ids = ids.reshape(-1)
+    mask = row_mask(estimation_data, ids.shape[0])
+    weights = jnp.ones(ids.shape, dtype) if mask is None else mask.astype(dtype)
+    counts = jnp.zeros((vocab,), dtype).at[ids].add(weights, mode="drop")
+    return counts / jnp.maximum(jnp.sum(weights), 1.0)
+
+
 class EmbeddingEigen(NamedTuple):
     """Eigendecomposition of the output factor (the input factor is diagonal)."""
 
@@ -69,14 +80,9 @@ class EmbeddingKroneckerFactored(CurvatureBlock):
         return ((self.vocab,), (self.width, self.width))
 
     def compute_statistics(self, estimation_data, batch_size):
-        (ids,) = estimation_data["inputs"]
         (dy,) = estimation_data["outputs_tangent"]
-        ids = ids.reshape(-1)
-        mask = row_mask(estimation_data, ids.shape[0])
-        weights = jnp.ones(ids.shape, self.dtype) if mask is None else mask.astype(self.dtype)
-        counts = jnp.zeros((self.vocab,), self.dtype).at[ids].add(weights, mode="drop")
         dy = dy.reshape(-1, self.width).astype(self.dtype)
-        return counts / jnp.maximum(jnp.sum(weights), 1.0), dy.T @ dy / batch_size
+        return id_frequencies(estimation_data, self.vocab, self.dtype), dy.T @ dy / batch_size
 
     # ---------------------------------------------------------------- cache
 

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 
 from kfacx import linalg
 from kfacx.blocks._base import BlockState, CurvatureBlock, LayerInfo, cast_to, row_mask, zeros
+from kfacx.blocks._embedding import id_frequencies
 
 #: The pseudo tag name of a layer whose parameters several kinds of layer use.
 TIED_TAG = "tied"
@@ -81,16 +82,27 @@ class TiedKroneckerFactored(CurvatureBlock):
 
     Args:
       layer: the tied layer.
-      max_full_size: a side (axis of the weight) longer than this keeps only the
+      max_full_size: a side (axis of the weight) longer than this (an int >= 0) keeps only the
         diagonal of its factors (``functools.partial(TiedKroneckerFactored,
         max_full_size=...)`` in ``layer_tag_to_block_ctor`` changes it).
 
     Raises:
-      ValueError: if the roles do not share exactly one 2-D weight, or a role
-        is not a dense or embedding layer.
+      ValueError: if the roles do not share exactly one 2-D weight, a role is
+        not a dense or embedding layer, or ``max_full_size`` is negative.
+      TypeError: if ``max_full_size`` is not an int.
     """
 
     def __init__(self, layer: LayerInfo, max_full_size: int = 1024):
+        if isinstance(max_full_size, bool) or not isinstance(max_full_size, int):
+            raise TypeError(
+                f"TiedKroneckerFactored({layer.name}): max_full_size must be an int, got "
+                f"{max_full_size!r}."
+            )
+        if max_full_size < 0:
+            raise ValueError(
+                f"TiedKroneckerFactored({layer.name}): max_full_size must be >= 0 (0 keeps "
+                f"only diagonals), got {max_full_size}."
+            )
         super().__init__(layer)
         kinds = [role.tag_name for role in layer.roles]
         if len(kinds) < 2 or not set(kinds) <= set(_ROLE_TAGS):
@@ -141,13 +153,8 @@ class TiedKroneckerFactored(CurvatureBlock):
         return tuple(out)
 
     def _embedding_statistics(self, data, batch_size):
-        (ids,) = data["inputs"]
         (dy,) = data["outputs_tangent"]
-        ids = ids.reshape(-1)
-        mask = row_mask(data, ids.shape[0])
-        weights = jnp.ones(ids.shape, self.dtype) if mask is None else mask.astype(self.dtype)
-        counts = jnp.zeros((self.rows,), self.dtype).at[ids].add(weights, mode="drop")
-        counts = counts / jnp.maximum(jnp.sum(weights), 1.0)
+        counts = id_frequencies(data, self.rows, self.dtype)
         dy = dy.reshape(-1, self.cols).astype(self.dtype)
         rows = counts if self.diagonal[0] else jnp.diag(counts)
         return [rows, self._moment(dy, batch_size, diagonal=self.diagonal[1])]

@@ -287,3 +287,11 @@ def test_cached_power_without_cache_raises():
         block.multiply_matpower(state, _vector(block), 0.1, -1, True, True)
     with pytest.raises(ValueError, match="power 2"):
         block.multiply_matpower(state, _vector(block), 0.1, 2, False, False)
+
+
+@pytest.mark.parametrize(
+    ("value", "error"), [(-1, ValueError), (2.5, TypeError), (True, TypeError)]
+)
+def test_bad_max_full_size_raises_naming_the_layer(value, error):
+    with pytest.raises(error, match=r"TiedKroneckerFactored\(tied\[p0\]\): max_full_size"):
+        blocks.TiedKroneckerFactored(lm_layer(), max_full_size=value)
