@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.extend as jex
+import jax.numpy as jnp
 
 from kfacx import tags
 
@@ -67,45 +67,31 @@ def bind_eqn(eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
-def eval_jaxpr(
-    jaxpr: Jaxpr,
-    consts: Sequence[Any],
-    args: Sequence[Any],
-    on_tag: Callable[[JaxprEqn, list[Any]], list[Any]],
-) -> list[Any]:
-    """Evaluates ``jaxpr``, handing every tag equation to ``on_tag``.
-
-    Call-like equations whose bodies contain tags are evaluated in place, so
-    ``on_tag`` sees the tags inside `jax.jit`, `jax.checkpoint` and custom
-    derivative functions too. Tags inside other higher-order primitives
-    (`lax.scan`, `lax.cond`, ...) raise a ValueError: a scan body runs once per
-    iteration, which needs the functional `eval_jaxpr_sites`.
-    """
-
-    def visit(eqn, invals, _):
-        return on_tag(eqn, invals), None
-
-    return _eval(jaxpr, consts, args, visit, itertools.repeat(None), [], scans=False)
-
-
 def eval_jaxpr_sites(
     jaxpr: Jaxpr,
     consts: Sequence[Any],
     args: Sequence[Any],
     on_tag: Callable[[JaxprEqn, list[Any], Any], tuple[list[Any], Any]],
     site_inputs: Sequence[Any],
-) -> tuple[list[Any], list[Any]]:
-    """Evaluates ``jaxpr`` functionally, tag *sites* included, also inside `lax.scan`.
+) -> tuple[list[Any], list[Any], list[Any]]:
+    """Evaluates ``jaxpr`` functionally, tag *sites* included, also inside `lax.scan`
+    bodies and `lax.cond` / `lax.switch` branches.
 
     The sites are the tag equations in the order of `tag_sites`. At each,
     ``on_tag(eqn, invals, site_input)`` returns ``(outvals, site_output)``
-    (pytrees of arrays). Call-like equations are evaluated in place. A scan
-    whose body holds tags is evaluated by `jax.lax.scan` over a body that
+    (pytrees of arrays). Call-like equations are evaluated in place.
+
+    A scan whose body holds tags is evaluated by `jax.lax.scan` over a body that
     evaluates its jaxpr the same way (``length``, ``reverse`` and the
     consts / carry / xs split are respected): the site inputs of its tags must
     be stacked ``[L, ...]`` and enter as extra ``xs`` (the iteration on slice
     ``l`` of the xs gets slice ``l``); their site outputs come out as extra
     ``ys``, stacked the same way.
+
+    A cond whose branches hold tags is evaluated by `jax.lax.switch` over
+    branches evaluated the same way. Only the branch taken runs: the site
+    outputs of the other branches' tags are zeros, and each site has an
+    *active* flag (float32, 1 where its tag ran and 0 where it did not).
 
     Args:
       jaxpr, consts, args: what to evaluate.
@@ -113,7 +99,10 @@ def eval_jaxpr_sites(
       site_inputs: one entry per site.
 
     Returns:
-      ``(outputs, site_outputs)``, one site output per site.
+      ``(outputs, site_outputs, site_active)``, one site output and one active
+      flag per site. The flag is None for a site outside every cond branch (it
+      always runs); inside a branch it is a scalar, stacked ``[L]`` when the
+      cond sits in a scan of length ``L``.
 
     Raises:
       ValueError: for tags inside other higher-order primitives, or a wrong
@@ -123,12 +112,13 @@ def eval_jaxpr_sites(
     num_sites = count_tag_sites(jaxpr)
     if len(site_inputs) != num_sites:
         raise ValueError(f"{len(site_inputs)} site inputs for {num_sites} tag sites.")
-    site_outputs: list[Any] = []
-    outs = _eval(jaxpr, consts, args, on_tag, iter(site_inputs), site_outputs, scans=True)
-    return outs, site_outputs
+    sites: list[tuple[Any, Any]] = []
+    outs = _eval(jaxpr, consts, args, on_tag, iter(site_inputs), sites)
+    return outs, [out for out, _ in sites], [active for _, active in sites]
 
 
-def _eval(jaxpr, consts, args, on_tag, site_inputs, site_outputs, scans: bool) -> list[Any]:
+def _eval(jaxpr, consts, args, on_tag, site_inputs, sites: list) -> list[Any]:
+    """Evaluates ``jaxpr``; appends ``(site_output, active)`` to ``sites`` per tag site."""
     env: dict[Any, Any] = {}
 
     def read(v):
@@ -144,18 +134,15 @@ def _eval(jaxpr, consts, args, on_tag, site_inputs, site_outputs, scans: bool) -
         invals = [read(v) for v in eqn.invars]
         if is_tag_eqn(eqn):
             outvals, site_output = on_tag(eqn, invals, next(site_inputs))
-            site_outputs.append(site_output)
+            sites.append((site_output, None))
         elif any(map(contains_tags, sub_jaxprs(eqn))):
             body = call_body(eqn)
             if body is not None:
-                outvals = _eval(body[0], body[1], invals, on_tag, site_inputs, site_outputs, scans)
-            elif is_scan(eqn) and scans:
-                outvals = _eval_scan(eqn, invals, on_tag, site_inputs, site_outputs)
+                outvals = _eval(body[0], body[1], invals, on_tag, site_inputs, sites)
             elif is_scan(eqn):
-                raise ValueError(
-                    "eval_jaxpr cannot evaluate tags inside a `scan` (they run once per "
-                    "iteration); use eval_jaxpr_sites."
-                )
+                outvals = _eval_scan(eqn, invals, on_tag, site_inputs, sites)
+            elif is_cond(eqn):
+                outvals = _eval_cond(eqn, invals, on_tag, site_inputs, sites)
             else:
                 raise unsupported_container(eqn)
         else:
@@ -168,9 +155,9 @@ def unsupported_container(eqn: JaxprEqn) -> ValueError:
     """The error for tags inside a primitive the tracer cannot look into."""
     return ValueError(
         f"A layer or loss tag sits inside a `{eqn.primitive.name}` primitive; kfacx reads tags "
-        "inside jit, checkpoint and custom_jvp/custom_vjp functions and `lax.scan` bodies, but "
-        f"not inside `{eqn.primitive.name}`. Move the registration out of it (e.g. unroll the "
-        "loop, or write it with lax.scan)."
+        "inside jit, checkpoint and custom_jvp/custom_vjp functions, `lax.scan` bodies and "
+        f"`lax.cond` / `lax.switch` branches, but not inside `{eqn.primitive.name}`. Move the "
+        "registration out of it (e.g. unroll the loop, or write it with lax.scan)."
     )
 
 
@@ -240,9 +227,9 @@ def walk_tags(jaxpr: Jaxpr, origins: Sequence[Any]) -> Iterator[tuple[JaxprEqn, 
     """Yields every tag equation with the *origin* of each of its operands.
 
     ``origins`` labels the jaxpr's inputs (e.g. the index of a parameter leaf);
-    labels flow into the bodies of call-like equations and of scans (see
-    `tag_sites`) and are None for any value computed inside the function, in
-    the order `eval_jaxpr` visits tags.
+    labels flow into the bodies of call-like equations, of scans and of cond
+    branches (see `tag_sites`) and are None for any value computed inside the
+    function, in the order `eval_jaxpr_sites` visits tags.
     """
     for site in tag_sites(jaxpr, origins):
         yield site.eqn, site.origins
@@ -274,16 +261,25 @@ class TagSite(NamedTuple):
       origins: the origin label of each of its operands.
       scans: the `lax.scan` equations it sits in, outermost first (it runs once
         per iteration of each; ``scans[-1].params["length"]`` times in one scan).
+      branches: the `lax.cond` equations it sits in, outermost first, each with
+        the index of the branch it sits in (it runs only when they are taken).
     """
 
     eqn: JaxprEqn
     origins: list[Any]
     scans: tuple[JaxprEqn, ...]
+    branches: tuple[tuple[JaxprEqn, int], ...] = ()
 
 
 def is_scan(eqn: JaxprEqn) -> bool:
     """Whether the equation is a `lax.scan`."""
     return eqn.primitive.name == "scan"
+
+
+def is_cond(eqn: JaxprEqn) -> bool:
+    """Whether the equation is a `lax.cond` / `lax.switch` (operands: index, then the
+    operands every branch takes)."""
+    return eqn.primitive.name == "cond"
 
 
 def scan_body_origins(eqn: JaxprEqn, origins: Sequence[Any]) -> list[Any]:
@@ -299,28 +295,39 @@ def scan_body_origins(eqn: JaxprEqn, origins: Sequence[Any]) -> list[Any]:
 
 
 def tag_sites(
-    jaxpr: Jaxpr, origins: Sequence[Any], scans: tuple[JaxprEqn, ...] = ()
+    jaxpr: Jaxpr,
+    origins: Sequence[Any],
+    scans: tuple[JaxprEqn, ...] = (),
+    branches: tuple[tuple[JaxprEqn, int], ...] = (),
 ) -> Iterator[TagSite]:
-    """Every tag equation, in evaluation order, with its operands' origins and scans.
+    """Every tag equation, in evaluation order, with its operands' origins, scans and
+    cond branches.
 
-    Labels flow into call bodies positionally and into scan bodies by
-    `scan_body_origins`.
+    Labels flow into call bodies positionally, into scan bodies by
+    `scan_body_origins`, and into every branch of a cond from the cond's
+    operands after the index; the sites of a cond are those of its branches,
+    in branch order.
 
     Raises:
-      ValueError: for tags inside other higher-order primitives (cond, while...).
+      ValueError: for tags inside other higher-order primitives (while...).
     """
     env: dict[Any, Any] = dict(zip(jaxpr.invars, origins, strict=True))
     for eqn in jaxpr.eqns:
         ins = [None if isinstance(v, jex.core.Literal) else env.get(v) for v in eqn.invars]
         if is_tag_eqn(eqn):
-            yield TagSite(eqn, ins, scans)
+            yield TagSite(eqn, ins, scans, branches)
         elif any(map(contains_tags, sub_jaxprs(eqn))):
             body = call_body(eqn)
             if body is not None:
-                yield from tag_sites(body[0], ins, scans)
+                yield from tag_sites(body[0], ins, scans, branches)
             elif is_scan(eqn):
                 body_origins = scan_body_origins(eqn, ins)
-                yield from tag_sites(eqn.params["jaxpr"].jaxpr, body_origins, (*scans, eqn))
+                yield from tag_sites(
+                    eqn.params["jaxpr"].jaxpr, body_origins, (*scans, eqn), branches
+                )
+            elif is_cond(eqn):
+                for b, branch in enumerate(eqn.params["branches"]):
+                    yield from tag_sites(branch.jaxpr, ins[1:], scans, (*branches, (eqn, b)))
             else:
                 raise unsupported_container(eqn)
 
@@ -330,7 +337,7 @@ def count_tag_sites(jaxpr: Jaxpr) -> int:
     return sum(1 for _ in tag_sites(jaxpr, [None] * len(jaxpr.invars)))
 
 
-def _eval_scan(eqn, invals, on_tag, site_inputs, site_outputs) -> list[Any]:
+def _eval_scan(eqn, invals, on_tag, site_inputs, sites: list) -> list[Any]:
     """A scan whose body holds tags, by `jax.lax.scan` (see `eval_jaxpr_sites`)."""
     params = eqn.params
     body = params["jaxpr"]
@@ -340,13 +347,13 @@ def _eval_scan(eqn, invals, on_tag, site_inputs, site_outputs) -> list[Any]:
 
     def step(carry, x):
         x_slice, extra = x
-        outputs: list[Any] = []
+        inner: list[tuple[Any, Any]] = []
         args = [*consts, *carry, *x_slice]
-        outs = _eval(body.jaxpr, body.consts, args, on_tag, iter(extra), outputs, scans=True)
-        return outs[:ncarry], (outs[ncarry:], outputs)
+        outs = _eval(body.jaxpr, body.consts, args, on_tag, iter(extra), inner)
+        return outs[:ncarry], (outs[ncarry:], inner)
 
     options = {k: params[k] for k in ("_split_transpose",) if k in params}
-    carry, (ys, outputs) = jax.lax.scan(
+    carry, (ys, inner) = jax.lax.scan(
         step,
         list(init),
         (list(xs), extras),
@@ -355,5 +362,41 @@ def _eval_scan(eqn, invals, on_tag, site_inputs, site_outputs) -> list[Any]:
         unroll=params["unroll"],
         **options,
     )
-    site_outputs.extend(outputs)
+    sites.extend(inner)
     return [*carry, *ys]
+
+
+def _eval_cond(eqn, invals, on_tag, site_inputs, sites: list) -> list[Any]:
+    """A cond whose branches hold tags, by `jax.lax.switch` (see `eval_jaxpr_sites`).
+
+    Every branch returns the site outputs of all branches' tags: its own, with
+    active flags of 1 (or the flags of conds nested in it), and zeros for the
+    others' (active 0). The branch taken thus decides which tags ran.
+    """
+    index, ops = invals[0], invals[1:]
+    branches = eqn.params["branches"]
+    extras = [[next(site_inputs) for _ in range(count_tag_sites(b.jaxpr))] for b in branches]
+
+    def run(b, operands):
+        inner: list[tuple[Any, Any]] = []
+        branch = branches[b]
+        outs = _eval(branch.jaxpr, branch.consts, operands, on_tag, iter(extras[b]), inner)
+        one = jnp.ones((), jnp.float32)
+        return outs, [(out, one if active is None else active) for out, active in inner]
+
+    shapes = [jax.eval_shape(lambda o, b=b: run(b, o)[1], list(ops)) for b in range(len(branches))]
+
+    def branch_fn(b):
+        def fn(operands):
+            outs, own = run(b, operands)
+            parts = [
+                own if c == b else jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), s)
+                for c, s in enumerate(shapes)
+            ]
+            return outs, [site for part in parts for site in part]
+
+        return fn
+
+    outs, inner = jax.lax.switch(index, [branch_fn(b) for b in range(len(branches))], list(ops))
+    sites.extend(inner)
+    return outs

@@ -46,7 +46,14 @@ class CurvatureStats(NamedTuple):
 
     Attributes:
       blocks: per block, the tuple `kfacx.blocks.CurvatureBlock.compute_statistics`
-        returns (batch averages).
+        returns (batch averages). The block of a layer used only inside
+        `lax.cond` / `lax.switch` branches has one more, last entry: its
+        *coverage*, 1 if the layer ran on this batch, 0 if its branch was not
+        taken (per slice ``[L]`` for a stacked layer), its statistics being
+        zero then. Averaged over micro-batches or devices like the other
+        entries, it becomes the fraction of the examples the layer ran on;
+        the moving averages then move by that fraction of a step towards the
+        statistics of those examples (not at all for a coverage of 0).
       batch_size: the number of (real, unmasked) examples they average over;
         averages of several batches or devices are weighted by it.
     """
@@ -65,6 +72,26 @@ def weighted_mean_stats(stats: CurvatureStats, axis_name: str) -> CurvatureStats
         stats.blocks,
     )
     return CurvatureStats(blocks, total)
+
+
+def _update_block(block, state, stats, ema_old, ema_new, has_coverage: bool):
+    """One block's moving-average update; for a block with a coverage ``c`` (see
+    `CurvatureStats`), ``c`` of a step towards the statistics of the examples it ran
+    on: ``ema_old`` becomes ``1 - c (1 - ema_old)``, ``ema_new`` ``c ema_new`` and the
+    statistics ``stats / c`` (``c = 0`` leaves the averages as they are)."""
+    if not has_coverage:
+        return block.update_from_statistics(state, stats, ema_old, ema_new)
+    *stats, c = stats
+    c = c.astype(block.dtype)
+    safe = jnp.where(c > 0, c, 1.0)
+
+    def per_example(s):
+        return s / safe.reshape(safe.shape + (1,) * (s.ndim - safe.ndim)).astype(s.dtype)
+
+    ema_old, ema_new = (jnp.asarray(w, block.dtype) for w in (ema_old, ema_new))
+    # Exact for c = 1 (a plain update) and c = 0 (ema_old 1, ema_new 0: no change).
+    old = jnp.where(c < 1, 1 - c * (1 - ema_old), ema_old)
+    return block.update_from_statistics(state, tuple(map(per_example, stats)), old, c * ema_new)
 
 
 def _check_mode(mode: str) -> str:
@@ -183,6 +210,7 @@ class BlockDiagonalCurvature:
             self.layer_tag_to_block_ctor["generic_tag"] = blocks_lib.Full
         self._traced: tracer.TracedFunction | None = None
         self._blocks: tuple[blocks_lib.CurvatureBlock, ...] = ()
+        self._coverage_shapes: tuple[tuple[int, ...] | None, ...] = ()
         self._tagged: dict[Any, tuple[Callable[..., Any], Any]] = {}
         self._report: graph_matcher.RegistrationReport | None = None
 
@@ -220,7 +248,9 @@ class BlockDiagonalCurvature:
         """Statistics of zero batches (zeros shaped like every block's factors)."""
         self._require_set_up()
         blocks = tuple(
-            tuple(jnp.zeros(s, b.dtype) for s in b.factor_shapes()) for b in self._blocks
+            tuple(jnp.zeros(s, b.dtype) for s in b.factor_shapes())
+            + (() if c is None else (jnp.zeros(c, jnp.float32),))
+            for b, c in zip(self._blocks, self._coverage_shapes, strict=True)
         )
         return CurvatureStats(blocks, jnp.zeros((), jnp.float32))
 
@@ -236,6 +266,11 @@ class BlockDiagonalCurvature:
                 "kfacx.register_dense(y, x, w, b)) or tag them with kfacx.register_generic(p)."
             )
         self._blocks = tuple(self._make_block(layer) for layer in traced.layers)
+        # Per block: the shape of its coverage (a layer used only in cond branches), or None.
+        self._coverage_shapes = tuple(
+            (() if layer.stack_size is None else (layer.stack_size,)) if conditional else None
+            for layer, conditional in zip(traced.layers, traced.conditional_layers, strict=True)
+        )
         self._traced = traced
         return traced
 
@@ -403,9 +438,18 @@ class BlockDiagonalCurvature:
             batch_size = losses[0].batch_size
         data = vjp.sampled(cotangents, example_mask)
         safe = jnp.maximum(jnp.asarray(batch_size, jnp.float32), 1e-12)
+
+        def block_stats(block, d, coverage_shape):
+            d = dict(d)
+            coverage = d.pop("coverage", None)
+            stats = tuple(block.compute_statistics(d, safe))
+            if coverage_shape is None:
+                return stats
+            return (*stats, jnp.broadcast_to(coverage, coverage_shape).astype(jnp.float32))
+
         blocks = tuple(
-            tuple(block.compute_statistics(d, safe))
-            for block, d in zip(self._blocks, data, strict=True)
+            block_stats(block, d, c)
+            for block, d, c in zip(self._blocks, data, self._coverage_shapes, strict=True)
         )
         return CurvatureStats(blocks, jnp.asarray(batch_size, jnp.float32))
 
@@ -428,8 +472,10 @@ class BlockDiagonalCurvature:
             stats = weighted_mean_stats(stats, pmap_axis_name)
         return EstimatorState(
             tuple(
-                b.update_from_statistics(s, st, ema_old, ema_new)
-                for b, s, st in zip(self._blocks, state.blocks, stats.blocks, strict=True)
+                _update_block(b, s, st, ema_old, ema_new, c is not None)
+                for b, s, st, c in zip(
+                    self._blocks, state.blocks, stats.blocks, self._coverage_shapes, strict=True
+                )
             )
         )
 

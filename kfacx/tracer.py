@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -50,6 +51,8 @@ class TracedFunction:
         iterations are folded into the batch axis, as tied uses are).
       use_roles: for every use, its role in a tied layer (`LayerInfo.roles`:
         tags of different kinds that share parameters), else 0.
+      use_conditional: for every use, whether it sits in a `lax.cond` /
+        `lax.switch` branch (it runs only when the branch is taken).
     """
 
     closed_jaxpr: Any
@@ -66,11 +69,21 @@ class TracedFunction:
     site_uses: tuple[int | None, ...] = ()
     use_scan_lengths: tuple[int, ...] = ()
     use_roles: tuple[int, ...] = ()
+    use_conditional: tuple[bool, ...] = ()
 
     @property
     def num_param_leaves(self) -> int:
         """Number of parameter leaves."""
         return len(self.param_paths)
+
+    @property
+    def conditional_layers(self) -> tuple[bool, ...]:
+        """Per layer: whether every use of it sits in a cond branch, so that a batch
+        may not run it (its statistics then carry a coverage, see `LayerTagsVjp`)."""
+        out = [True] * len(self.layers)
+        for layer, cond in zip(self.use_to_layer, self.use_conditional, strict=True):
+            out[layer] = out[layer] and cond
+        return tuple(out)
 
     def use_param_leaves(self, use: int) -> tuple[int, ...]:
         """The parameter leaves of one use (of its role, in a tied layer)."""
@@ -131,14 +144,16 @@ def trace(
     site_uses: list[int | None] = []
     scan_lengths: list[int] = []
     owner: dict[int, int] = {}
-    for eqn, ins, scans in _jaxpr.tag_sites(closed.jaxpr, origins):
+    conditional: list[bool] = []
+    for eqn, ins, scans, branches in _jaxpr.tag_sites(closed.jaxpr, origins):
         tag = tags.layer_tag_for(eqn.primitive)
         if tag is None:
-            if scans:
-                raise _loss_in_scan(eqn)
+            if scans or branches:
+                raise _loss_in_loop_or_branch(eqn, "a `scan`" if scans else "a `cond` branch")
             num_losses += 1
             site_uses.append(None)
             continue
+        conditional.append(bool(branches))
         info, leaf_ids = _layer_info(tag, eqn, ins, param_paths)
         info, length = _scan_layer_info(info, tag.split(ins)[2], scans)
         lead = (length,) if length else ()
@@ -179,6 +194,7 @@ def trace(
         tuple(site_uses),
         tuple(scan_lengths),
         tuple(use_roles),
+        tuple(conditional),
     )
 
 
@@ -333,11 +349,12 @@ def _scan_layer_info(info: LayerInfo, param_origins, scans) -> tuple[LayerInfo, 
     ), length
 
 
-def _loss_in_scan(eqn) -> ValueError:
+def _loss_in_loop_or_branch(eqn, where: str) -> ValueError:
     return ValueError(
-        f"A loss tag ({eqn.primitive.name}) sits inside a `scan` primitive; kfacx reads "
-        "losses registered outside loops only (layers may sit inside a scan). Register the "
-        "loss on the scan's outputs, e.g. on the stacked per-step predictions."
+        f"A loss tag ({eqn.primitive.name}) sits inside {where}; kfacx reads losses "
+        "registered outside loops and branches only (layers may sit inside them). Register the "
+        "loss on the outputs of the scan or cond, e.g. on the stacked per-step predictions or "
+        "on the output of the branch taken."
     )
 
 
@@ -367,7 +384,8 @@ def _forward(traced: TracedFunction, flat_args: Sequence[Any], perturbations: Se
     Every layer use's outputs get ``perturbations[use]`` added (stacked ``[L, ...]``
     for a use inside a scan of length ``L``: iteration ``l`` adds slice ``l``);
     its record has the use's ``inputs`` and ``outputs`` (stacked likewise) and
-    the layer's ``params`` (whole parameter leaves).
+    the layer's ``params`` (whole parameter leaves). A use inside a cond branch
+    also has ``active``: 1 if its branch ran, else 0 (its data are then zeros).
     """
 
     def on_tag(eqn, invals, perturbation):
@@ -383,19 +401,22 @@ def _forward(traced: TracedFunction, flat_args: Sequence[Any], perturbations: Se
 
     closed = traced.closed_jaxpr
     site_inputs = [None if use is None else perturbations[use] for use in traced.site_uses]
-    outputs, site_outputs = _jaxpr.eval_jaxpr_sites(
+    outputs, site_outputs, site_active = _jaxpr.eval_jaxpr_sites(
         closed.jaxpr, closed.consts, flat_args, on_tag, site_inputs
     )
     start = sum(c.num_leaves for c in traced.in_tree.children()[: traced.params_index])
     params = flat_args[start : start + traced.num_param_leaves]
     records: list[dict] = []
     loss_operands: list[tuple] = []
-    for use, out in zip(traced.site_uses, site_outputs, strict=True):
+    for use, out, active in zip(traced.site_uses, site_outputs, site_active, strict=True):
         if use is None:
             loss_operands.append(out)
             continue
         leaves = traced.use_param_leaves(use)
-        records.append(dict(out, params=tuple(params[i] for i in leaves)))
+        record = dict(out, params=tuple(params[i] for i in leaves))
+        if active is not None:
+            record["active"] = active
+        records.append(record)
     predictions = tuple(ops[0] for _, ops in loss_operands)
     return predictions, (records, loss_operands, outputs)
 
@@ -430,12 +451,20 @@ class LayerTagsVjp:
     def _data(self, tangents, batch_axis: int, example_mask) -> tuple[dict, ...]:
         uses: dict[int, dict[int | None, list[dict]]] = {}
         stacked: dict[int, bool] = {}
+        coverage: dict[int, list] = {}  # layer -> how much of the batch each use ran on
         for rec, t, layer, (length, is_stacked), role in zip(
             self._records, tangents, self._use_to_layer, self._use_scans, self._roles, strict=True
         ):
             use = dict(rec, outputs_tangent=tuple(t))
-            if example_mask is not None:
-                use["mask"] = example_mask
+            active = use.pop("active", None)
+            mask = example_mask
+            if active is not None:
+                mask, ran = _branch_mask(use, active, example_mask, length, is_stacked)
+                coverage.setdefault(layer, []).append(ran)
+            else:
+                coverage.setdefault(layer, []).append(None)
+            if mask is not None:
+                use["mask"] = mask
             if length and not is_stacked:
                 use = _fold_scan(use, batch_axis, length)
             uses.setdefault(layer, {}).setdefault(role, []).append(use)
@@ -446,9 +475,10 @@ class LayerTagsVjp:
                 role: _fold_uses(role_uses, batch_axis, lead=int(stacked[i]))
                 for role, role_uses in sorted(uses[i].items(), key=lambda kv: kv[0] or 0)
             }
-            if None in folded:
-                return folded[None]
-            return dict(roles=tuple(folded.values()))
+            data = folded[None] if None in folded else dict(roles=tuple(folded.values()))
+            if all(c is not None for c in coverage[i]):
+                data = dict(data, coverage=functools.reduce(jnp.maximum, coverage[i]))
+            return data
 
         return tuple(layer_data(i) for i in range(len(uses)))
 
@@ -462,6 +492,14 @@ class LayerTagsVjp:
         layer (`kfacx.blocks.LayerInfo.stack_size`) keeps the layer axis in
         front: ``inputs`` / ``outputs`` / ``params`` ``[L, ...]``,
         ``outputs_tangent`` ``[L, ...]`` (``[samples, L, ...]`` in `sampled`).
+
+        A layer used only inside `lax.cond` / `lax.switch` branches runs only
+        when its branch is taken. Its uses that did not run have zero data and
+        a zero ``"mask"`` (so they count as padding), and its data has a
+        ``"coverage"``: 1 if any use ran, else 0 (per slice ``[L]`` for a
+        stacked layer, e.g. stochastic depth inside `hk.layer_stack`). The
+        estimator leaves the moving averages of a layer that did not run as
+        they are (see `kfacx.CurvatureStats`).
 
         Args:
           loss_cotangents: one array per registered loss, shaped like its prediction.
@@ -486,6 +524,24 @@ class LayerTagsVjp:
         return self._data(tangents, 1, example_mask)
 
 
+def _branch_mask(use: dict, active, example_mask, length: int, stacked: bool):
+    """``(mask, ran)`` of a use inside a cond branch: the example mask (ones without
+    one) times its ``active`` flag, per iteration ``[L, batch]`` for a use in a scan;
+    ``ran`` is the flag (per slice ``[L]`` for a stacked layer, else a scalar)."""
+    active = jnp.asarray(active, jnp.float32)
+    per_iteration = jnp.broadcast_to(active, (length,)) if length else active
+    ran = per_iteration if stacked or not length else jnp.max(per_iteration)
+    if not use["inputs"]:
+        # A generic tag: its cotangent is the parameter gradient, zero when it did not run.
+        return example_mask, ran
+    batch = use["outputs"][0].shape[1 if length else 0]
+    base = jnp.ones((batch,), jnp.float32) if example_mask is None else example_mask
+    base = jnp.asarray(base, jnp.float32)
+    if not length:
+        return active * base, ran
+    return per_iteration[:, None] * base[None, :], ran
+
+
 def _fold_scan(use: dict, batch_axis: int, length: int) -> dict:
     """Folds the ``length`` iterations of a use inside a scan (leading axis of the inputs
     and outputs, ``batch_axis`` of the cotangents) into the batch axis that follows,
@@ -508,7 +564,8 @@ def _fold_scan(use: dict, batch_axis: int, length: int) -> dict:
         outputs_tangent=merge(use["outputs_tangent"], batch_axis),
     )
     if "mask" in use:
-        folded["mask"] = jnp.tile(use["mask"], length)
+        mask = use["mask"]  # [L, batch] in a cond branch, else [batch]
+        folded["mask"] = mask.reshape(-1) if mask.ndim == 2 else jnp.tile(mask, length)
     return folded
 
 
@@ -534,9 +591,22 @@ def _fold_uses(uses: list[dict], batch_axis: int, lead: int = 0) -> dict:
         params=uses[0]["params"],
         outputs_tangent=cat("outputs_tangent", batch_axis + lead),
     )
-    if "mask" in uses[0]:
-        folded["mask"] = jnp.concatenate([u["mask"] for u in uses])
+    if any("mask" in u for u in uses):
+        folded["mask"] = _fold_masks(uses, lead)
     return folded
+
+
+def _fold_masks(uses: list[dict], lead: int) -> jax.Array:
+    """The masks of a layer's uses, concatenated along the batch axis (ones for a use
+    without one; per-slice ``[L, batch]`` if one use has per-slice masks)."""
+    per_slice = any(u.get("mask") is not None and u["mask"].ndim == 2 for u in uses)
+    masks = []
+    for u in uses:
+        shape = u["outputs"][0].shape[: lead + 1]
+        mask = u.get("mask")
+        mask = jnp.ones(shape[-1:], jnp.float32) if mask is None else mask
+        masks.append(jnp.broadcast_to(mask, shape) if per_slice else mask)
+    return jnp.concatenate(masks, axis=-1)
 
 
 def _use_roles(traced: TracedFunction) -> tuple[int | None, ...]:

@@ -38,9 +38,13 @@ def _run(script: pathlib.Path, *args: str) -> subprocess.CompletedProcess:
     )
 
 
+#: A shown output: the marker, a blank line, then a fenced block (``text`` or bare).
+OUTPUT_BLOCK = r"^% output of (\S+)\n\n```(?:text)?\n(.*?)\n```"
+
+
 def _shown_outputs(script: pathlib.Path) -> list[tuple[str, str]]:
     """``(page, text)`` of every ``% output of <script>`` block in the pages."""
-    marker = re.compile(r"^% output of (\S+)\n\n```text\n(.*?)\n```", re.M | re.S)
+    marker = re.compile(OUTPUT_BLOCK, re.M | re.S)
     shown = []
     for page in PAGES:
         for path, text in marker.findall(page.read_text()):
@@ -128,6 +132,18 @@ def test_config_table_lists_every_field():
 
 
 # ----------------------------------------------------------------------------- the code
+
+
+def test_every_shown_output_is_checked():
+    """Each ``% output of`` marker is followed by a block `_shown_outputs` reads, naming a
+    script that exists (else the output it shows would go unchecked)."""
+    for page in PAGES:
+        text = page.read_text()
+        markers = re.findall(r"^% output of (\S+)$", text, re.M)
+        blocks = re.findall(OUTPUT_BLOCK, text, re.M | re.S)
+        assert [path for path, _ in blocks] == markers, page.name
+        for path in markers:
+            assert (page.parent / path).is_file(), f"{page.name}: {path}"
 
 
 @pytest.mark.parametrize("snippet", SNIPPETS, ids=[s.stem for s in SNIPPETS])

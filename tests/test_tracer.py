@@ -265,20 +265,22 @@ def test_whole_loss_function_under_jit_wrapper_is_traced():
         np.testing.assert_allclose(layer["outputs_tangent"][0], want, **TOL)
 
 
-def test_tag_inside_cond_raises():
-    # Tags inside lax.scan are read (tests/graph_matcher/test_scan.py); inside cond they are not.
+def test_tag_inside_while_loop_raises():
+    # Tags inside lax.scan and lax.cond are read (tests/graph_matcher/test_scan.py,
+    # tests/test_control_flow.py); inside a while loop (unknown trip count) they are not.
     params, batch = _params(), _batch()
 
     def loss_fn(params, batch):
         x, labels, _ = batch
         (w1, b1), (w2, b2), _ = params
-        h = jax.lax.cond(
-            jnp.sum(x) > 0, lambda x: _tagged_dense(x, w1, b1), lambda x: dense(x, w1, b1), x
+        h0 = jnp.zeros((x.shape[0], w1.shape[1]), x.dtype)
+        _, h = jax.lax.while_loop(
+            lambda c: c[0] < 1, lambda c: (c[0] + 1, jnp.tanh(_tagged_dense(x, w1, b1))), (0, h0)
         )
-        logits = _tagged_dense(jnp.tanh(h), w2, b2)
+        logits = _tagged_dense(h, w2, b2)
         return kfacx.register_softmax_cross_entropy_loss(logits, labels).sum()
 
-    with pytest.raises(ValueError, match=r"inside a `cond` primitive.*not inside `cond`"):
+    with pytest.raises(ValueError, match=r"inside a `while` primitive.*not inside `while`"):
         kfacx.layer_tags_vjp(loss_fn, (params, batch))
 
 

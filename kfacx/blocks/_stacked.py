@@ -13,10 +13,13 @@ has, the samples axis stays first as for every block):
 - estimation data: ``inputs``, ``outputs`` and ``params`` are ``[L, *slice_shape]``;
   ``outputs_tangent`` is ``[num_samples, L, *slice_output_shape]``, i.e.
   ``[num_samples, *outputs.shape]`` as for any block (this is what
-  `kfacx.tracer.LayerTagsVjp.sampled` returns for a stacked layer); other
-  entries (the per-example ``mask``) are the same for every slice;
+  `kfacx.tracer.LayerTagsVjp.sampled` returns for a stacked layer); the
+  per-example ``mask`` ``[batch]`` is the same for every slice, a per-slice
+  mask is ``[L, batch]`` (a layer in a cond branch inside the scan, which
+  ran in some iterations only); other entries are the same for every slice;
 - statistics (`compute_statistics`, `update_from_statistics`): the inner
-  block's, with a leading ``L`` axis;
+  block's, with a leading ``L`` axis; the moving-average weights
+  ``ema_old`` / ``ema_new`` are scalars or per slice ``[L]``;
 - state: every array of the inner block's `BlockState` gets a leading ``L``
   axis (so do the moving averages' weights).
 """
@@ -110,7 +113,10 @@ class StackedBlock(CurvatureBlock):
     # ---------------------------------------------------------------- statistics
 
     def _data_axes(self, estimation_data: Mapping[str, Any]) -> dict[str, int | None]:
-        return {key: DATA_LAYER_AXES.get(key) for key in estimation_data}
+        axes = {key: DATA_LAYER_AXES.get(key) for key in estimation_data}
+        if "mask" in axes and jnp.ndim(estimation_data["mask"]) == 2:
+            axes["mask"] = 0  # per slice: [L, batch]
+        return axes
 
     def compute_statistics(self, estimation_data, batch_size):
         data = dict(estimation_data)
@@ -140,9 +146,11 @@ class StackedBlock(CurvatureBlock):
     def update_from_statistics(
         self, state: BlockState, statistics: Sequence[jax.Array], ema_old: Any, ema_new: Any
     ) -> BlockState:
-        """The inner block's update from statistics, slice by slice (leading ``L`` axis)."""
-        return jax.vmap(lambda s, st: self.inner.update_from_statistics(s, st, ema_old, ema_new))(
-            state, tuple(statistics)
+        """The inner block's update from statistics, slice by slice (leading ``L`` axis;
+        the moving-average weights are scalars or per slice)."""
+        axes = (0, 0, *(0 if jnp.ndim(w) == 1 else None for w in (ema_old, ema_new)))
+        return jax.vmap(self.inner.update_from_statistics, in_axes=axes)(
+            state, tuple(statistics), ema_old, ema_new
         )
 
     def update_cache(self, state: BlockState, identity_weight: Any) -> BlockState:

@@ -35,23 +35,31 @@ def _warn(message: str) -> None:
 
 @dataclasses.dataclass
 class _Plan:
-    """Matches of one jaxpr level, and of the call bodies below it (by equation index)."""
+    """Matches of one jaxpr level, and of the bodies below it (by equation index): the
+    plan of a call or scan body, or a tuple of plans, one per branch of a cond."""
 
     matches: list[Match]
-    children: dict[int, _Plan]
+    children: dict[int, _Plan | tuple[_Plan, ...]]
 
     def all_matches(self) -> list[Match]:
         out = list(self.matches)
         for child in self.children.values():
-            out.extend(child.all_matches())
+            for plan in child if isinstance(child, tuple) else (child,):
+                out.extend(plan.all_matches())
         return out
+
+    @property
+    def empty(self) -> bool:
+        return not (self.matches or self.children)
 
 
 def _plan(jaxpr, origins, patterns, claims: dict[int, tuple], notes: list, in_scan=False) -> _Plan:
-    """Matches in ``jaxpr`` and, recursively, in call bodies and (one level of) scan bodies.
+    """Matches in ``jaxpr`` and, recursively, in call bodies, cond branches and (one
+    level of) scan bodies.
 
     Inside a scan body, parameters closed over (consts) keep their leaf index and
     scanned-over ones (xs) are labelled `kfacx._jaxpr.ScanSlice` (stacked layers).
+    A cond branch sees the labels of the cond's operands after the index.
     """
     matches = find_matches(jaxpr, origins, patterns, claims, notes)
     if in_scan:
@@ -66,6 +74,13 @@ def _plan(jaxpr, origins, patterns, claims: dict[int, tuple], notes: list, in_sc
         body = _jaxpr.call_body(eqn)
         if body is not None:
             child = _plan(body[0], ins, patterns, claims, notes, in_scan)
+        elif _jaxpr.is_cond(eqn):
+            child = tuple(
+                _plan(branch.jaxpr, ins[1:], patterns, claims, notes, in_scan)
+                for branch in eqn.params["branches"]
+            )
+            if all(plan.empty for plan in child):
+                continue
         elif _jaxpr.is_scan(eqn) and not in_scan:
             _note_scan_carry(eqn, ins, notes)
             body_origins = _jaxpr.scan_body_origins(eqn, ins)
@@ -89,7 +104,7 @@ def _plan(jaxpr, origins, patterns, claims: dict[int, tuple], notes: list, in_sc
                     )
                 )
             continue
-        if child.matches or child.children:
+        if isinstance(child, tuple) or not child.empty:
             children[i] = child
     return _Plan(matches, children)
 
@@ -152,6 +167,8 @@ def _evaluate(jaxpr, consts, args, plan: _Plan):
             outvals = _rebind_custom(eqn, invals, plan.children[i])
         elif i in plan.children and _jaxpr.is_scan(eqn):
             outvals = _rebind_scan(eqn, invals, plan.children[i])
+        elif i in plan.children and _jaxpr.is_cond(eqn):
+            outvals = _switch(eqn, invals, plan.children[i])
         elif i in plan.children:
             body, body_consts = _jaxpr.call_body(eqn)
             outvals = _evaluate(body, body_consts, invals, plan.children[i])
@@ -177,6 +194,16 @@ def _rebind_custom(eqn, invals, plan: _Plan):
     tagged_body = jax.make_jaxpr(lambda *a: _evaluate(body, consts, a, plan))(*avals)
     new = eqn.replace(params=dict(eqn.params, call_jaxpr=tagged_body))
     return _jaxpr.bind_eqn(new, invals)
+
+
+def _switch(eqn, invals, plans: tuple[_Plan, ...]):
+    """A cond with tagged branches, as `jax.lax.switch` on its index."""
+
+    def branch_fn(branch, plan):
+        return lambda *ops: _evaluate(branch.jaxpr, branch.consts, ops, plan)
+
+    fns = [branch_fn(b, p) for b, p in zip(eqn.params["branches"], plans, strict=True)]
+    return jax.lax.switch(invals[0], fns, *invals[1:])
 
 
 def _rebind_scan(eqn, invals, plan: _Plan):
@@ -296,6 +323,7 @@ def auto_register_tags(
             source=sources.get(i, "unmatched"),
             uses=final[i][2],
             stack_size=final[i][3],
+            in_branch=final[i][4],
         )
         for i, path in enumerate(paths)
     )
@@ -313,16 +341,17 @@ def _manual_claims(jaxpr, origins) -> dict[int, tuple]:
     return claims
 
 
-def _tagged_leaves(jaxpr, origins) -> dict[int, tuple[str, int, int, int | None]]:
-    """Parameter leaf -> (tag name, layer index, uses, stack size) for every layer tag, in
-    evaluation order (a layer applied several times with the same parameters, e.g. at every
-    iteration of a scan, is one layer; a scan over its parameters makes a stacked layer;
+def _tagged_leaves(jaxpr, origins) -> dict[int, tuple[str, int, int, int | None, bool]]:
+    """Parameter leaf -> (tag name, layer index, uses, stack size, in branch) for every layer
+    tag, in evaluation order (a layer applied several times with the same parameters, e.g. at
+    every iteration of a scan, is one layer; a scan over its parameters makes a stacked layer;
     parameters that layer tags of different kinds use make one tied layer, whose tag name
-    lists the kinds: ``"tied(embedding_tag, dense_tag)"``)."""
+    lists the kinds: ``"tied(embedding_tag, dense_tag)"``; a layer all of whose uses sit in
+    cond branches is *in branch*)."""
     out: dict[int, list] = {}
     kinds: dict[int, list[tuple]] = {}  # leaf -> (tag, meta) of each kind of use
     layer = 0
-    for eqn, ins, scans in _jaxpr.tag_sites(jaxpr, origins):
+    for eqn, ins, scans, branches in _jaxpr.tag_sites(jaxpr, origins):
         tag = tags.layer_tag_for(eqn.primitive)
         if tag is None:
             continue
@@ -336,16 +365,18 @@ def _tagged_leaves(jaxpr, origins) -> dict[int, tuple[str, int, int, int | None]
         uses = length if scans and not stacked else 1
         kind = (tag.name, tuple(sorted(eqn.params.items())))
         known = [o for o in leaves if o in out]
+        size, in_branch = (length if stacked else None), bool(branches)
         if not known:
-            out.update({o: [tag.name, layer, uses, length if stacked else None] for o in leaves})
+            out.update({o: [tag.name, layer, uses, size, in_branch] for o in leaves})
             kinds.update({o: [kind] for o in leaves})
             layer += 1
             continue
         index = out[known[0]][1]
         for o in leaves:
             if o not in out:
-                out[o], kinds[o] = [tag.name, index, 0, length if stacked else None], []
+                out[o], kinds[o] = [tag.name, index, 0, size, in_branch], []
             out[o][2] += uses
+            out[o][4] = out[o][4] and in_branch
             if kind not in kinds[o]:
                 kinds[o].append(kind)
             if len(kinds[o]) > 1:

@@ -21,6 +21,9 @@ class RegistrationEntry:
         and the scan length for a layer applied at every iteration of a `lax.scan`).
       stack_size: for a stacked layer (a `lax.scan` over its parameters, e.g.
         `hk.layer_stack`), the number of stacked layers; None otherwise.
+      in_branch: whether every use of the layer sits in a `lax.cond` /
+        `lax.switch` branch: its statistics are updated only by the batches
+        that run it.
     """
 
     path: str
@@ -30,6 +33,7 @@ class RegistrationEntry:
     block: str = ""
     uses: int = 1
     stack_size: int | None = None
+    in_branch: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +47,8 @@ class RegistrationReport:
         several layers, parameters inside loops that are not looked into).
 
     In the text, the layer column shows ``(xN)`` for a layer applied ``N``
-    times and ``(N stacked)`` for a stacked layer.
+    times, ``(N stacked)`` for a stacked layer and ``(in branch)`` for a layer
+    used only inside cond branches.
 
     ``str(report)`` is a readable table.
     """
@@ -71,7 +76,8 @@ class RegistrationReport:
                 e.path,
                 f"{e.layer}"
                 + (f" (x{e.uses})" if e.uses > 1 else "")
-                + (f" ({e.stack_size} stacked)" if e.stack_size else ""),
+                + (f" ({e.stack_size} stacked)" if e.stack_size else "")
+                + (" (in branch)" if e.in_branch else ""),
                 e.tag,
                 e.source,
                 e.block or "-",

@@ -60,7 +60,8 @@ def test_two_patterns_of_equal_precedence_claiming_the_same_parameter():
     assert {e.source for e in report.entries} == {"high"}
 
 
-def test_loss_registered_inside_a_scan():
+@pytest.mark.parametrize("container", ["scan", "cond"])
+def test_loss_registered_inside_a_scan_or_a_cond_branch(container):
     def loss(params, batch):
         x, t = batch
 
@@ -68,12 +69,14 @@ def test_loss_registered_inside_a_scan():
             y = kfacx.register_squared_error_loss(xt[0] @ params["w"], xt[1])
             return carry + jnp.sum((y - xt[1]) ** 2), None
 
+        if container == "cond":
+            return jax.lax.cond(jnp.sum(x) > 0, body, lambda c, xt: (c, None), 0.0, (x, t))[0]
         total, _ = jax.lax.scan(body, 0.0, (x[:, None], t[:, None]))
         return total
 
     params, batch = _problem()
     est = kfacx.BlockDiagonalCurvature(loss, auto_register_kwargs=dict(on_unmatched="full"))
-    with pytest.raises(ValueError, match=r"inside a `scan` primitive"):
+    with pytest.raises(ValueError, match=rf"loss tag .* sits inside a `{container}`.*Register"):
         est.init(jax.random.PRNGKey(0), ({"w": params["w"]}, batch))
 
 
