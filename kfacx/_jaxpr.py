@@ -161,6 +161,92 @@ def unsupported_container(eqn: JaxprEqn) -> ValueError:
     )
 
 
+# Cheap single-operand shape operations that JAX hoists out of a scan body as
+# loop-invariant residuals (e.g. the broadcast of a bias under `jax.value_and_grad`).
+_SHAPE_OPS = ("broadcast_in_dim", "reshape", "squeeze", "convert_element_type", "transpose")
+
+
+def sink_invariants(closed: jex.core.ClosedJaxpr) -> jex.core.ClosedJaxpr:
+    """Moves shape operations on a scan's consts back into the scan body.
+
+    Differentiating a scan (``jax.value_and_grad`` of a loss, whose forward
+    pass the optimizer traces) hoists loop-invariant work out of the body: the
+    broadcast of an RNN cell's bias is computed once, before the scan, and the
+    body adds the broadcast array. Detection matches one body at a time, so it
+    would see ``x @ w + c`` with ``c`` not a parameter. Moving such chains of
+    `_SHAPE_OPS` (from an input of the enclosing jaxpr) back into the body
+    restores ``x @ w + broadcast(b)``; the result computes the same values.
+    Nested scans and call bodies are rewritten too.
+    """
+    jaxpr = _sink(closed.jaxpr)
+    return closed if jaxpr is closed.jaxpr else jex.core.ClosedJaxpr(jaxpr, closed.consts)
+
+
+def _sink(jaxpr: Jaxpr) -> Jaxpr:
+    roots = set(jaxpr.invars)
+    producers = {
+        eqn.outvars[0]: eqn
+        for eqn in jaxpr.eqns
+        if eqn.primitive.name in _SHAPE_OPS and len(eqn.invars) == 1 and len(eqn.outvars) == 1
+    }
+    eqns, changed = [], False
+    for eqn in jaxpr.eqns:
+        new = eqn
+        if is_scan(eqn):
+            new = _sink_scan(eqn, producers, roots)
+        elif (
+            eqn.primitive.name in _PRUNABLE_CALLS
+            and _CALL_BODY_PARAMS[eqn.primitive.name] in eqn.params
+        ):
+            key = _CALL_BODY_PARAMS[eqn.primitive.name]
+            body = eqn.params[key]
+            inner = _sink(body.jaxpr if isinstance(body, jex.core.ClosedJaxpr) else body)
+            if inner is not getattr(body, "jaxpr", body):
+                if isinstance(body, jex.core.ClosedJaxpr):
+                    inner = jex.core.ClosedJaxpr(inner, body.consts)
+                new = eqn.replace(params=dict(eqn.params, **{key: inner}))
+        changed = changed or new is not eqn
+        eqns.append(new)
+    return jaxpr.replace(eqns=eqns) if changed else jaxpr
+
+
+def _sink_scan(eqn: JaxprEqn, producers: dict, roots: set) -> JaxprEqn:
+    nc = eqn.params["num_consts"]
+    chains = []  # per const operand: the shape ops from an input of the jaxpr to it
+    for v in eqn.invars[:nc]:
+        chain = []
+        while isinstance(v, jex.core.Var) and v in producers:
+            chain.append(producers[v])
+            v = producers[v].invars[0]
+        rooted = chain and isinstance(v, jex.core.Var) and v in roots
+        chains.append((v, chain[::-1]) if rooted else None)
+    body = eqn.params["jaxpr"]
+    if not any(chains):
+        inner = _sink(body.jaxpr)
+        if inner is body.jaxpr:
+            return eqn
+        return eqn.replace(params=dict(eqn.params, jaxpr=jex.core.ClosedJaxpr(inner, body.consts)))
+    invars = [c[0] if c else v for v, c in zip(eqn.invars[:nc], chains, strict=True)]
+    invars += eqn.invars[nc:]
+
+    def new_body(*args):
+        args = list(args)
+        for i, item in enumerate(chains):
+            for op in item[1] if item else ():
+                (args[i],) = bind_eqn(op, [args[i]])
+        return jex.core.jaxpr_as_fun(body)(*args)
+
+    # The body's own input types, but the roots' for the sunk consts.
+    kinds = chains + [None] * (len(body.jaxpr.invars) - nc)
+    avals = [c[0].aval if c else v.aval for v, c in zip(body.jaxpr.invars, kinds, strict=True)]
+    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in avals]
+    new = jax.make_jaxpr(new_body)(*specs)
+    if new.consts:
+        return eqn  # (keep the scan as it is rather than add operands)
+    new = jex.core.ClosedJaxpr(_sink(new.jaxpr), ())
+    return eqn.replace(invars=invars, params=dict(eqn.params, jaxpr=new))
+
+
 def dce(closed: jex.core.ClosedJaxpr) -> jex.core.ClosedJaxpr:
     """Drops the equations whose results are unused, also inside jit and remat bodies.
 
@@ -241,9 +327,11 @@ def walk_tags(jaxpr: Jaxpr, origins: Sequence[Any]) -> Iterator[tuple[JaxprEqn, 
 @dataclasses.dataclass(frozen=True)
 class ScanSlice:
     """Origin label of a scan body input that is a slice of a scanned-over (``xs``)
-    operand labelled ``origin``: iteration ``l`` sees ``operand[l]``."""
+    operand labelled ``origin``: iteration ``l`` sees ``operand[l]``. ``level`` is the
+    depth of that scan among nested scans (0 for the outermost)."""
 
     origin: Any
+    level: int = 0
 
 
 def leaf_origin(origin: Any) -> Any:
@@ -251,6 +339,15 @@ def leaf_origin(origin: Any) -> Any:
     while isinstance(origin, ScanSlice):
         origin = origin.origin
     return origin
+
+
+def slice_levels(origin: Any) -> tuple[int, ...]:
+    """The levels of the scans that slice ``origin`` (empty if none does), innermost first."""
+    levels = []
+    while isinstance(origin, ScanSlice):
+        levels.append(origin.level)
+        origin = origin.origin
+    return tuple(levels)
 
 
 class TagSite(NamedTuple):
@@ -282,15 +379,15 @@ def is_cond(eqn: JaxprEqn) -> bool:
     return eqn.primitive.name == "cond"
 
 
-def scan_body_origins(eqn: JaxprEqn, origins: Sequence[Any]) -> list[Any]:
+def scan_body_origins(eqn: JaxprEqn, origins: Sequence[Any], level: int = 0) -> list[Any]:
     """Origin labels of a scan body's inputs from those of the scan's operands.
 
     Consts (closed over: the same value at every iteration) keep their label;
     the carry is computed (None); an ``xs`` operand labelled ``o`` gives
-    ``ScanSlice(o)``.
+    ``ScanSlice(o, level)`` (``level``: the depth of this scan among nested ones).
     """
     nc, ncarry = eqn.params["num_consts"], eqn.params["num_carry"]
-    xs = [None if o is None else ScanSlice(o) for o in origins[nc + ncarry :]]
+    xs = [None if o is None else ScanSlice(o, level) for o in origins[nc + ncarry :]]
     return [*origins[:nc], *([None] * ncarry), *xs]
 
 
@@ -321,7 +418,7 @@ def tag_sites(
             if body is not None:
                 yield from tag_sites(body[0], ins, scans, branches)
             elif is_scan(eqn):
-                body_origins = scan_body_origins(eqn, ins)
+                body_origins = scan_body_origins(eqn, ins, len(scans))
                 yield from tag_sites(
                     eqn.params["jaxpr"].jaxpr, body_origins, (*scans, eqn), branches
                 )

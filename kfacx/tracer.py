@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -40,15 +41,18 @@ class TracedFunction:
         weights, the same layer applied twice) has several uses; its
         statistics fold the uses into the batch axis ("expand" K-FAC).
       use_outputs: for every use, ``(shape, dtype)`` of each output (for a use
-        inside a `lax.scan` of length ``L``: ``[L, *per_iteration_shape]``).
+        inside `lax.scan`s of lengths ``L1, L2...``: ``[L1, L2..., *per_iteration_shape]``).
       num_losses: number of loss tags.
       site_uses: for every tag equation (layer or loss) in evaluation order
         (`kfacx._jaxpr.tag_sites`), its use index, or None for a loss tag.
-      use_scan_lengths: for every use, the length of the `lax.scan` it sits in
-        (0 outside scans). A layer tag in a scan is a *stacked* layer when the
-        scan runs over its parameters (``LayerInfo.stack_size``), else a
-        layer applied once per iteration with the same parameters (its
-        iterations are folded into the batch axis, as tied uses are).
+      use_scan_lengths: for every use, the lengths of the (nested) `lax.scan`s
+        it sits in, outermost first (empty outside scans). A layer tag in scans
+        is a *stacked* layer when one of them runs over its parameters
+        (``LayerInfo.stack_size``), else a layer applied once per iteration with
+        the same parameters; the iterations of the other scans are folded into
+        the batch axis, as tied uses are.
+      use_stacked_level: for every use, which of its scans runs over its
+        parameters (an index into its ``use_scan_lengths``), or None.
       use_roles: for every use, its role in a tied layer (`LayerInfo.roles`:
         tags of different kinds that share parameters), else 0.
       use_conditional: for every use, whether it sits in a `lax.cond` /
@@ -67,7 +71,8 @@ class TracedFunction:
     use_outputs: tuple[tuple[tuple[tuple[int, ...], Any], ...], ...]
     num_losses: int
     site_uses: tuple[int | None, ...] = ()
-    use_scan_lengths: tuple[int, ...] = ()
+    use_scan_lengths: tuple[tuple[int, ...], ...] = ()
+    use_stacked_level: tuple[int | None, ...] = ()
     use_roles: tuple[int, ...] = ()
     use_conditional: tuple[bool, ...] = ()
 
@@ -142,7 +147,8 @@ def trace(
     layers, leaves_of, use_to_layer, use_outputs, num_losses = [], [], [], [], 0
     use_roles: list[int] = []
     site_uses: list[int | None] = []
-    scan_lengths: list[int] = []
+    scan_lengths: list[tuple[int, ...]] = []
+    stacked_levels: list[int | None] = []
     owner: dict[int, int] = {}
     conditional: list[bool] = []
     for eqn, ins, scans, branches in _jaxpr.tag_sites(closed.jaxpr, origins):
@@ -155,13 +161,14 @@ def trace(
             continue
         conditional.append(bool(branches))
         info, leaf_ids = _layer_info(tag, eqn, ins, param_paths)
-        info, length = _scan_layer_info(info, tag.split(ins)[2], scans)
-        lead = (length,) if length else ()
+        info, lengths, level = _scan_layer_info(info, tag.split(ins)[2], scans)
+        lead = lengths
         use_outputs.append(
             tuple((lead + v.aval.shape, v.aval.dtype) for v in tag.split(eqn.invars)[0])
         )
         site_uses.append(len(use_to_layer))
-        scan_lengths.append(length)
+        scan_lengths.append(lengths)
+        stacked_levels.append(level)
         shared = {owner[leaf] for leaf in leaf_ids if leaf in owner}
         if shared:
             index, role = _join_layer(shared, layers, leaves_of, info, leaf_ids)
@@ -193,6 +200,7 @@ def trace(
         num_losses,
         tuple(site_uses),
         tuple(scan_lengths),
+        tuple(stacked_levels),
         tuple(use_roles),
         tuple(conditional),
     )
@@ -296,57 +304,70 @@ def _layer_info(tag, eqn, ins, param_paths) -> tuple[LayerInfo, tuple[int, ...]]
     return info, leaf_ids
 
 
-def _scan_layer_info(info: LayerInfo, param_origins, scans) -> tuple[LayerInfo, int]:
-    """A layer tag inside a `lax.scan`: ``(LayerInfo, scan length)``.
+def _scan_layer_info(
+    info: LayerInfo, param_origins, scans
+) -> tuple[LayerInfo, tuple[int, ...], int | None]:
+    """A layer tag inside (nested) `lax.scan`s: ``(LayerInfo, scan lengths, stacked level)``.
 
-    Parameters the scan runs over (``xs``, e.g. `hk.layer_stack`) make a stacked
-    layer (shapes with the leading layer axis, ``stack_size`` set); parameters
-    closed over (``consts``) make one layer applied once per iteration
-    (``num_uses`` = the scan length). Outside scans: ``(info, 0)``.
+    Parameters a scan runs over (``xs``, e.g. `hk.layer_stack`) make a stacked
+    layer (shapes with the leading layer axis, ``stack_size`` set; the level is
+    that scan's index among ``scans``); the iterations of the other scans, which
+    close over the parameters (``consts``), are uses of one layer (``num_uses``
+    = the product of their lengths). Outside scans: ``(info, (), None)``.
 
     Raises:
-      ValueError: for nested scans, or stacked and shared parameters in one layer.
+      ValueError: for parameters stacked by two scans, by different scans, or
+        stacked and shared in one layer.
     """
     if not scans:
-        return info, 0
+        return info, (), None
     if info.stack_size is not None:
         raise ValueError(
             f"Layer {info.name} is a stacked dense layer (a batch dimension over its weight's "
             "leading axis) inside a `scan`; kfacx serves one level of stacking. Move the "
             "layer out of the scan, or scan over the slices instead of batching them."
         )
-    if len(scans) > 1:
+    lengths = tuple(int(scan.params["length"]) for scan in scans)
+    levels = [_jaxpr.slice_levels(o) for o in param_origins]
+    if any(len(lv) > 1 for lv in levels):
         raise ValueError(
-            f"Layer {info.name} sits inside {len(scans)} nested `scan`s; kfacx serves layers "
-            "inside one scan (parameters stacked along the scanned axis, or shared by all "
-            "iterations), not in nested ones. Unroll the outer loops (Python loops), or merge "
-            "the nested scans into one scan."
+            f"Layer {info.name} sits in nested `scan`s that both run over its parameters (two "
+            "levels of stacking); kfacx serves one. Flatten the two stacked axes into one "
+            "scan, or unroll one of the loops."
         )
-    length = int(scans[0].params["length"])
-    stacked = [isinstance(o, _jaxpr.ScanSlice) for o in param_origins]
-    if any(stacked) and not all(stacked):
+    stacked = [bool(lv) for lv in levels]
+    if any(stacked) and not all(stacked) or len(set(levels)) > 1:
         sliced = [p for p, s in zip(info.parameter_paths, stacked, strict=True) if s]
         closed = [p for p, s in zip(info.parameter_paths, stacked, strict=True) if not s]
         raise ValueError(
             f"Layer {info.name} inside a `scan` takes parameters {sliced} as scanned-over inputs "
             f"(xs: one slice per iteration) and {closed} as closed-over constants (the same at "
-            "every iteration). kfacx serves a layer in a scan when all its parameters are "
-            "stacked (like hk.layer_stack) or all are shared: scan over all of them, or close "
-            "over all of them (or split the layer into two registered layers)."
+            "every iteration), or slices of different scans. kfacx serves a layer in a scan "
+            "when all its parameters are stacked by one scan (like hk.layer_stack) or all are "
+            "shared: scan over all of them, or close over all of them (or split the layer into "
+            "two registered layers)."
         )
-    if not any(stacked):
-        return dataclasses.replace(info, num_uses=length), length
+    level = levels[0][0] if levels and levels[0] else None
+    folded = math.prod(n for i, n in enumerate(lengths) if i != level)
+    info = dataclasses.replace(info, num_uses=info.num_uses * folded)
+    if level is None:
+        return info, lengths, None
+    size = lengths[level]
 
     def stack(shapes):
-        return tuple((length, *s) for s in shapes)
+        return tuple((size, *s) for s in shapes)
 
-    return dataclasses.replace(
-        info,
-        parameter_shapes=stack(info.parameter_shapes),
-        input_shapes=stack(info.input_shapes),
-        output_shapes=stack(info.output_shapes),
-        stack_size=length,
-    ), length
+    return (
+        dataclasses.replace(
+            info,
+            parameter_shapes=stack(info.parameter_shapes),
+            input_shapes=stack(info.input_shapes),
+            output_shapes=stack(info.output_shapes),
+            stack_size=size,
+        ),
+        lengths,
+        level,
+    )
 
 
 def _loss_in_loop_or_branch(eqn, where: str) -> ValueError:
@@ -439,8 +460,8 @@ class LayerTagsVjp:
         self._tangents_fn = tangents_fn
         self._records = records
         self._use_to_layer = use_to_layer
-        # Per use: (length of the scan it sits in or 0, whether its layer is stacked).
-        self._use_scans = tuple(use_scans or ((0, False),) * len(records))
+        # Per use: (lengths of the scans it sits in, the level of the one stacking it or None).
+        self._use_scans = tuple(use_scans or (((), None),) * len(records))
         # Per use: its role in a tied layer, or None for an ordinary layer.
         self._roles = tuple(roles or (None,) * len(records))
 
@@ -452,23 +473,15 @@ class LayerTagsVjp:
         uses: dict[int, dict[int | None, list[dict]]] = {}
         stacked: dict[int, bool] = {}
         coverage: dict[int, list] = {}  # layer -> how much of the batch each use ran on
-        for rec, t, layer, (length, is_stacked), role in zip(
+        for rec, t, layer, (lengths, level), role in zip(
             self._records, tangents, self._use_to_layer, self._use_scans, self._roles, strict=True
         ):
-            use = dict(rec, outputs_tangent=tuple(t))
-            active = use.pop("active", None)
-            mask = example_mask
-            if active is not None:
-                mask, ran = _branch_mask(use, active, example_mask, length, is_stacked)
-                coverage.setdefault(layer, []).append(ran)
-            else:
-                coverage.setdefault(layer, []).append(None)
-            if mask is not None:
-                use["mask"] = mask
-            if length and not is_stacked:
-                use = _fold_scan(use, batch_axis, length)
+            use, ran = _fold_scans(
+                dict(rec, outputs_tangent=tuple(t)), batch_axis, lengths, level, example_mask
+            )
+            coverage.setdefault(layer, []).append(ran)
             uses.setdefault(layer, {}).setdefault(role, []).append(use)
-            stacked[layer] = is_stacked
+            stacked[layer] = level is not None
 
         def layer_data(i):
             folded = {
@@ -524,49 +537,65 @@ class LayerTagsVjp:
         return self._data(tangents, 1, example_mask)
 
 
-def _branch_mask(use: dict, active, example_mask, length: int, stacked: bool):
-    """``(mask, ran)`` of a use inside a cond branch: the example mask (ones without
-    one) times its ``active`` flag, per iteration ``[L, batch]`` for a use in a scan;
-    ``ran`` is the flag (per slice ``[L]`` for a stacked layer, else a scalar)."""
-    active = jnp.asarray(active, jnp.float32)
-    per_iteration = jnp.broadcast_to(active, (length,)) if length else active
-    ran = per_iteration if stacked or not length else jnp.max(per_iteration)
+def _fold_scans(use: dict, batch_axis: int, lengths, level, example_mask) -> tuple[dict, Any]:
+    """A use's data with the iterations of the scans it sits in folded: ``(use, ran)``.
+
+    Inputs and outputs are ``[*lengths, batch, ...]`` (the cotangents have
+    ``batch_axis`` axes before). The axis of the scan at ``level`` (the one
+    running over the parameters of a stacked layer) moves in front; the other
+    iterations are folded into the batch axis that follows, iteration-major,
+    with the example mask repeated for every iteration. For a generic tag (its
+    cotangent is the parameter gradient) the folded iterations are summed.
+
+    A use inside cond branches has an ``"active"`` flag (per iteration): its
+    mask is the example mask (ones without one) times the flag, so that the
+    iterations that did not run count as padding, and ``ran`` is the flag's
+    maximum (per slice ``[L]`` for a stacked layer), else None.
+    """
+    use = dict(use)
+    active = use.pop("active", None)
+    ran = None
+    if active is not None:
+        active = jnp.broadcast_to(jnp.asarray(active, jnp.float32), lengths)
+        others = tuple(i for i in range(len(lengths)) if i != level)
+        ran = jnp.max(active, axis=others) if others else active
+    folded = [i for i in range(len(lengths)) if i != level]
+
+    def fold(a, offset):
+        if level is not None:
+            a = jnp.moveaxis(a, offset + level, offset)
+        start = offset + (level is not None)
+        count = len(folded) + 1  # the folded iterations and the batch axis
+        merged = math.prod(a.shape[start : start + count])
+        return a.reshape(a.shape[:start] + (merged,) + a.shape[start + count :])
+
     if not use["inputs"]:
-        # A generic tag: its cotangent is the parameter gradient, zero when it did not run.
-        return example_mask, ran
-    batch = use["outputs"][0].shape[1 if length else 0]
-    base = jnp.ones((batch,), jnp.float32) if example_mask is None else example_mask
-    base = jnp.asarray(base, jnp.float32)
-    if not length:
-        return active * base, ran
-    return per_iteration[:, None] * base[None, :], ran
-
-
-def _fold_scan(use: dict, batch_axis: int, length: int) -> dict:
-    """Folds the ``length`` iterations of a use inside a scan (leading axis of the inputs
-    and outputs, ``batch_axis`` of the cotangents) into the batch axis that follows,
-    iteration-major, repeating the example mask for every iteration (for a generic tag,
-    the cotangents of the iterations are summed)."""
-    if not use["inputs"]:
-        tangents = tuple(jnp.sum(t, axis=batch_axis) for t in use["outputs_tangent"])
-        return dict(use, outputs=use["params"], outputs_tangent=tangents)
-
-    def merge(arrays, axis):
-        return tuple(
-            a.reshape(a.shape[:axis] + (a.shape[axis] * a.shape[axis + 1],) + a.shape[axis + 2 :])
-            for a in arrays
-        )
-
-    folded = dict(
+        # A generic tag: sum the folded iterations' cotangents (parameter gradients).
+        # (What remains of the scan axes is the stacked one, right after the samples axis.)
+        axes = tuple(batch_axis + i for i in folded)
+        tangents = tuple(jnp.sum(t, axis=axes) for t in use["outputs_tangent"])
+        if example_mask is not None:
+            use["mask"] = example_mask
+        return dict(use, outputs=use["params"], outputs_tangent=tangents), ran
+    batch = use["outputs"][0].shape[len(lengths)]
+    repeats = math.prod(lengths[i] for i in folded)
+    if active is not None:
+        base = jnp.ones((batch,), jnp.float32) if example_mask is None else example_mask
+        base = jnp.asarray(base, jnp.float32).reshape((1,) * len(lengths) + (batch,))
+        mask = fold(active[..., None] * base, 0)
+    elif example_mask is not None:
+        mask = jnp.tile(example_mask, repeats) if repeats > 1 else example_mask
+    else:
+        mask = None
+    out = dict(
         use,
-        inputs=merge(use["inputs"], 0),
-        outputs=merge(use["outputs"], 0),
-        outputs_tangent=merge(use["outputs_tangent"], batch_axis),
+        inputs=tuple(fold(a, 0) for a in use["inputs"]),
+        outputs=tuple(fold(a, 0) for a in use["outputs"]),
+        outputs_tangent=tuple(fold(a, batch_axis) for a in use["outputs_tangent"]),
     )
-    if "mask" in use:
-        mask = use["mask"]  # [L, batch] in a cond branch, else [batch]
-        folded["mask"] = mask.reshape(-1) if mask.ndim == 2 else jnp.tile(mask, length)
-    return folded
+    if mask is not None:
+        out["mask"] = mask
+    return out, ran
 
 
 def _fold_uses(uses: list[dict], batch_axis: int, lead: int = 0) -> dict:
@@ -617,13 +646,9 @@ def _use_roles(traced: TracedFunction) -> tuple[int | None, ...]:
     )
 
 
-def _use_scans(traced: TracedFunction) -> tuple[tuple[int, bool], ...]:
-    """Per use: the length of the scan it sits in (0 outside scans) and whether its
-    layer is stacked."""
-    return tuple(
-        (length, traced.layers[layer].stack_size is not None)
-        for length, layer in zip(traced.use_scan_lengths, traced.use_to_layer, strict=True)
-    )
+def _use_scans(traced: TracedFunction) -> tuple[tuple[tuple[int, ...], int | None], ...]:
+    """Per use: the lengths of the scans it sits in and the level of the one stacking it."""
+    return tuple(zip(traced.use_scan_lengths, traced.use_stacked_level, strict=True))
 
 
 def layer_tags_vjp(

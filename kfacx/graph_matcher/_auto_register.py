@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import pathlib
 import sys
 import warnings
@@ -53,16 +54,16 @@ class _Plan:
         return not (self.matches or self.children)
 
 
-def _plan(jaxpr, origins, patterns, claims: dict[int, tuple], notes: list, in_scan=False) -> _Plan:
-    """Matches in ``jaxpr`` and, recursively, in call bodies, cond branches and (one
-    level of) scan bodies.
+def _plan(jaxpr, origins, patterns, claims: dict[int, tuple], notes: list, depth=0) -> _Plan:
+    """Matches in ``jaxpr`` and, recursively, in call bodies, cond branches and (nested)
+    scan bodies; ``depth`` counts the scans around ``jaxpr``.
 
     Inside a scan body, parameters closed over (consts) keep their leaf index and
     scanned-over ones (xs) are labelled `kfacx._jaxpr.ScanSlice` (stacked layers).
     A cond branch sees the labels of the cond's operands after the index.
     """
     matches = find_matches(jaxpr, origins, patterns, claims, notes)
-    if in_scan:
+    if depth:
         matches = _without_stacked_dense(matches, notes)
     env = dict(zip(jaxpr.invars, origins, strict=True))
     children = {}
@@ -73,29 +74,21 @@ def _plan(jaxpr, origins, patterns, claims: dict[int, tuple], notes: list, in_sc
         leaves = tuple(_jaxpr.leaf_origin(o) for o in ins if o is not None)
         body = _jaxpr.call_body(eqn)
         if body is not None:
-            child = _plan(body[0], ins, patterns, claims, notes, in_scan)
+            child = _plan(body[0], ins, patterns, claims, notes, depth)
         elif _jaxpr.is_cond(eqn):
             child = tuple(
-                _plan(branch.jaxpr, ins[1:], patterns, claims, notes, in_scan)
+                _plan(branch.jaxpr, ins[1:], patterns, claims, notes, depth)
                 for branch in eqn.params["branches"]
             )
             if all(plan.empty for plan in child):
                 continue
-        elif _jaxpr.is_scan(eqn) and not in_scan:
+        elif _jaxpr.is_scan(eqn):
             _note_scan_carry(eqn, ins, notes)
-            body_origins = _jaxpr.scan_body_origins(eqn, ins)
-            child = _plan(eqn.params["jaxpr"].jaxpr, body_origins, patterns, claims, notes, True)
+            body_origins = _jaxpr.scan_body_origins(eqn, ins, depth)
+            body = eqn.params["jaxpr"].jaxpr
+            child = _plan(body, body_origins, patterns, claims, notes, depth + 1)
         else:
-            if _jaxpr.is_scan(eqn):
-                notes.append(
-                    (
-                        "parameters enter a `scan` nested in another `scan`; kfacx serves layers "
-                        "inside one scan only (unroll the outer loop), so those used only there "
-                        "get the fallback block",
-                        leaves,
-                    )
-                )
-            elif any(True for _ in _jaxpr.sub_jaxprs(eqn)):
+            if any(True for _ in _jaxpr.sub_jaxprs(eqn)):
                 notes.append(
                     (
                         f"parameters enter a `{eqn.primitive.name}` primitive, which detection "
@@ -273,7 +266,7 @@ def auto_register_tags(
         _ = p.jaxpr  # Fails early, with the pattern's name, if it does not trace.
     func_args = tuple(func_args)
     closed, out_shape = jax.make_jaxpr(func, return_shape=True)(*_specs(func_args))
-    closed = _jaxpr.dce(closed)
+    closed = _jaxpr.dce(_jaxpr.sink_invariants(_jaxpr.dce(closed)))
     path_leaves, _ = jax.tree_util.tree_flatten_with_path(func_args[params_index])
     paths = [path_to_str(p) for p, _ in path_leaves]
     check_float_params(paths, [leaf for _, leaf in path_leaves])
@@ -357,12 +350,13 @@ def _tagged_leaves(jaxpr, origins) -> dict[int, tuple[str, int, int, int | None,
             continue
         params = [o for o in tag.split(ins)[2] if o is not None]
         leaves = [_jaxpr.leaf_origin(o) for o in params]
-        stacked = any(isinstance(o, _jaxpr.ScanSlice) for o in params)
-        length = int(scans[-1].params["length"]) if scans else None
+        levels = {level for o in params for level in _jaxpr.slice_levels(o)}
+        lengths = [int(scan.params["length"]) for scan in scans]
+        stacked, length = bool(levels), (lengths[min(levels)] if levels else None)
+        uses = math.prod(n for i, n in enumerate(lengths) if i not in levels)
         shapes = [v.aval.shape for v in tag.split(eqn.invars)[2]]
         if tags.stacked_input_axis(tag.name, eqn.params, shapes) is not None:
             stacked, length = True, int(shapes[0][0])  # a stacked dense layer (batch dims)
-        uses = length if scans and not stacked else 1
         kind = (tag.name, tuple(sorted(eqn.params.items())))
         known = [o for o in leaves if o in out]
         size, in_branch = (length if stacked else None), bool(branches)

@@ -222,7 +222,7 @@ def _try_match(pattern, graph, t_eqn, claimed, claims, notes) -> Match | None:
     leaves = [_jaxpr.leaf_origin(o) for o in origins]
     if len(set(leaves)) != len(leaves):
         return None
-    sliced = {isinstance(o, _jaxpr.ScanSlice) for o in origins}
+    sliced = {_jaxpr.slice_levels(o) for o in origins}
     eqns = sorted(state.matched.values(), key=lambda e: graph.order[id(e)])
     if _internal_values_escape(graph, eqns, tv):
         return None
@@ -232,15 +232,26 @@ def _try_match(pattern, graph, t_eqn, claimed, claims, notes) -> Match | None:
         return None
     if meta is None:
         return None
-    match = Match(pattern, eqns, inputs, params, leaves, tv, dict(meta), stacked=True in sliced)
+    stacked = any(sliced)
+    match = Match(pattern, eqns, inputs, params, leaves, tv, dict(meta), stacked=stacked)
     if not verified(match, graph):
         return None
     if len(sliced) > 1:
         notes.append(
             (
                 f"a `{pattern.name}` layer inside a `scan` has parameters the scan runs over (xs) "
-                "and parameters it closes over (consts); kfacx serves a layer in a scan whose "
-                "parameters are all stacked or all shared, so it is not tagged",
+                "and parameters it closes over (consts), or slices of different scans; kfacx "
+                "serves a layer in scans whose parameters are all stacked by one scan or all "
+                "shared, so it is not tagged",
+                tuple(leaves),
+            )
+        )
+        return None
+    if any(len(levels) > 1 for levels in sliced):
+        notes.append(
+            (
+                f"a `{pattern.name}` layer sits in nested `scan`s that both run over its "
+                "parameters (two levels of stacking); kfacx serves one level, so it is not tagged",
                 tuple(leaves),
             )
         )

@@ -492,18 +492,21 @@ def _nested_problem():
     return f64(params), f64((rng.standard_normal((BATCH, WIDTH)), np.ones((BATCH, D_OUT))))
 
 
-def test_nested_scans_raise_or_fall_back():
+def test_two_levels_of_stacking_raise_or_fall_back():
+    """Nested scans that both run over a weight ``[2, DEPTH, ...]`` (layers within layers)
+    are served by neither a stacked block nor folding; nested scans that close over the
+    parameters at one level are (tests/test_nested_scans.py)."""
     args = _nested_problem()
-    with pytest.raises(ValueError, match=r"dense_tag\[w\] sits inside 2 nested `scan`s.*Unroll"):
+    with pytest.raises(ValueError, match=r"dense_tag\[w\] sits in nested `scan`s that both run"):
         kfacx.BlockDiagonalCurvature(_nested_loss(True), auto_register_tags=False).init(KEY, args)
     loss = _nested_loss(False)
-    with warned(r"nested in another `scan`.*\['w'\]", r"no layer pattern matched.*\['w'\]"):
+    with warned(r"two levels of stacking.*\['w'\]", r"no layer pattern matched.*\['w'\]"):
         tagged, report = kfacx.auto_register_tags(loss, args)
     assert report.unmatched == ("w",)
     assert {e.path: e.tag for e in report.entries} == {"w": "generic_tag", "out": "dense_tag"}
     assert_trees_close(jax.grad(tagged)(*args), jax.grad(loss)(*args))
     est = kfacx.BlockDiagonalCurvature(loss)
-    with warned("nested", r"no layer pattern matched.*\['w'\]"):
+    with warned("two levels", r"no layer pattern matched.*\['w'\]"):
         est.init(KEY, args)
     assert [b.block_name for b in est.blocks] == ["Diagonal", DENSE_KF]
 
