@@ -247,7 +247,35 @@ def _equinox_ensemble():
     return loss, params, (x, t)
 
 
-@pytest.mark.parametrize("make", [_flax_ensemble, _equinox_ensemble], ids=["flax", "equinox"])
+def _nnx_ensemble():
+    nnx = pytest.importorskip("flax.nnx")
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            self.hidden = nnx.Linear(I, H, rngs=rngs)
+            self.out = nnx.Linear(H, O, rngs=rngs)
+
+        def __call__(self, x):
+            return self.out(jnp.tanh(self.hidden(x)))
+
+    members = nnx.vmap(lambda key: MLP(nnx.Rngs(key)))(jax.random.split(jax.random.PRNGKey(0), M))
+    graphdef, params = nnx.split(members)
+    x, t = _batch(True)
+    x = x.astype(jnp.float32)
+
+    def loss(p, batch):
+        ensemble = nnx.merge(graphdef, p)
+        logits = nnx.vmap(lambda m, x: m(x), in_axes=(0, None))(ensemble, batch[0])
+        return _xent(logits.mean(0), batch[1])
+
+    return loss, params, (x, t)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [_flax_ensemble, _nnx_ensemble, _equinox_ensemble],
+    ids=["flax_linen", "flax_nnx", "equinox"],
+)
 def test_framework_ensembles_are_stacked_layers_and_train(make):
     loss, params, batch = make()
     opt, losses = fixed_rate_run(loss, params, batch, 4)
