@@ -194,17 +194,11 @@ def _sink(jaxpr: Jaxpr) -> Jaxpr:
         new = eqn
         if is_scan(eqn):
             new = _sink_scan(eqn, producers, roots)
-        elif (
-            eqn.primitive.name in _PRUNABLE_CALLS
-            and _CALL_BODY_PARAMS[eqn.primitive.name] in eqn.params
-        ):
+        elif _CALL_BODY_PARAMS.get(eqn.primitive.name) in eqn.params:
             key = _CALL_BODY_PARAMS[eqn.primitive.name]
-            body = eqn.params[key]
-            inner = _sink(body.jaxpr if isinstance(body, jex.core.ClosedJaxpr) else body)
-            if inner is not getattr(body, "jaxpr", body):
-                if isinstance(body, jex.core.ClosedJaxpr):
-                    inner = jex.core.ClosedJaxpr(inner, body.consts)
-                new = eqn.replace(params=dict(eqn.params, **{key: inner}))
+            inner = _sink(_open(eqn.params[key]))
+            if inner is not _open(eqn.params[key]):
+                new = eqn.replace(params={**eqn.params, key: _reclose(eqn.params[key], inner)})
         changed = changed or new is not eqn
         eqns.append(new)
     return jaxpr.replace(eqns=eqns) if changed else jaxpr
@@ -291,17 +285,30 @@ def _dce(jaxpr: Jaxpr, used_outputs: Sequence[bool]) -> Jaxpr:
     return jaxpr.replace(eqns=kept[::-1], outvars=outvars)
 
 
+def _open(body: Any) -> Jaxpr:
+    """The jaxpr of a call body param (a `Jaxpr` or a `ClosedJaxpr`)."""
+    return body.jaxpr if isinstance(body, jex.core.ClosedJaxpr) else body
+
+
+def _reclose(body: Any, inner: Jaxpr) -> Any:
+    """``inner`` in place of the jaxpr of the call body param ``body`` (same kind)."""
+    return (
+        jex.core.ClosedJaxpr(inner, body.consts)
+        if isinstance(body, jex.core.ClosedJaxpr)
+        else inner
+    )
+
+
 def _prune_call(eqn: JaxprEqn, used: Sequence[bool]) -> JaxprEqn:
     key = _CALL_BODY_PARAMS[eqn.primitive.name]
     if key not in eqn.params:
         return eqn
     body = eqn.params[key]
-    closed = isinstance(body, jex.core.ClosedJaxpr)
-    inner = _dce(body.jaxpr if closed else body, used)
-    if inner is (body.jaxpr if closed else body):
+    inner = _dce(_open(body), used)
+    if inner is _open(body):
         return eqn
     params = dict(eqn.params)
-    params[key] = jex.core.ClosedJaxpr(inner, body.consts) if closed else inner
+    params[key] = _reclose(body, inner)
     for name in _PRUNABLE_CALLS[eqn.primitive.name]:
         if name in params:
             params[name] = tuple(x for x, u in zip(params[name], used, strict=True) if u)

@@ -214,3 +214,42 @@ def test_haiku_rnns_are_detected_under_value_and_grad_and_train(stacked):
     cell = {(e.uses, e.stack_size) for e in report.entries if "vanilla_rnn" in e.path}
     assert cell == {(T, L if stacked else None)}, str(report)
     assert np.isfinite(losses).all() and losses[-1] < 0.5 * losses[0], losses
+
+
+def test_parameters_stacked_by_different_scans_raise_or_fall_back(x64):
+    """A weight sliced by the outer scan and a bias by the inner one are no one layer."""
+
+    def model(tag):
+        def loss(p, batch):
+            xs, labels = batch
+            h0 = jnp.tanh(xs[:, 0] @ p["inp"])
+
+            def outer(h, w):
+                def inner(h, b):
+                    y = h @ w + b[None, :]
+                    return jnp.tanh(kfacx.register_dense(y, h, w, b) if tag else y), None
+
+                return jax.lax.scan(inner, h, p["b"])[0], None
+
+            logits = jax.lax.scan(outer, h0, p["w"])[0] @ p["out"]
+            logits = kfacx.register_softmax_cross_entropy_loss(logits, labels)
+            return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], 1))
+
+        return loss
+
+    rng = np.random.default_rng(0)
+    params = dict(
+        inp=rng.normal(size=(I, W)),
+        w=rng.normal(size=(L, W, W)) / W,
+        b=rng.normal(size=(K + 1, W)),
+        out=rng.normal(size=(W, O)),
+    )
+    args = (jax.tree.map(jnp.asarray, params), _batch())
+    est = kfacx.BlockDiagonalCurvature(model(True), auto_register_tags=False)
+    with pytest.raises(ValueError, match=r"\['w', 'b'\].*or slices of different scans"):
+        est.init(KEY, args)
+    with pytest.warns(UserWarning, match=r"slices of different scans.*\['w', 'b'\]"):
+        _, report = kfacx.auto_register_tags(model(False), args)
+    # As for a weight stacked and a bias shared: the two become two layers.
+    found = {e.path: (e.tag, e.uses, e.stack_size) for e in report.entries}
+    assert found["w"] == ("dense_tag", K + 1, L) and found["b"] == ("scale_and_shift_tag", L, K + 1)

@@ -148,6 +148,60 @@ def test_expert_weights_in_a_batched_einsum_are_one_block_per_expert(x64, spec):
     assert not auto[:n, n:].any()
 
 
+PER_HEAD = (((3,), (1,)), ((2,), (0,)))  # x [b, t, h, d] . w [h, d, e] over the heads
+
+
+def _per_head_loss(tag):
+    """A per-head projection ``einsum('bthd,hde->bthe') + b[h, e]`` (the head axis sits
+    between the positions and the features), then a readout."""
+
+    def loss(p, batch):
+        x, t = batch
+        if tag:
+            y = jax.lax.dot_general(x, p["w"], PER_HEAD) + p["b"][:, None, None, :]
+            y = kfacx.register_dense(y, x, p["w"], p["b"], dimension_numbers=PER_HEAD)
+            y = jnp.transpose(y, (1, 2, 0, 3))  # [h, b, t, e] -> [b, t, h, e]
+        else:
+            y = jnp.einsum("bthd,hde->bthe", x, p["w"]) + p["b"][None, None]
+        h = jnp.tanh(y).reshape(x.shape[0], -1)
+        out = h @ p["out"]
+        return _xent(kfacx.register_dense(out, h, p["out"]) if tag else out, t)
+
+    return loss
+
+
+def _per_head_problem(seed=5, dtype=None):
+    rng = np.random.default_rng(seed)
+    T, D, E = 2, 3, 4
+    params = dict(
+        w=rng.normal(size=(M, D, E)) / np.sqrt(D),
+        b=0.3 * rng.normal(size=(M, E)),
+        out=rng.normal(size=(T * M * E, O)) / np.sqrt(T * M * E),
+    )
+    batch = (jnp.asarray(rng.normal(size=(B, T, M, D)), dtype), jnp.asarray(np.arange(B) % O))
+    return jax.tree.map(lambda a: jnp.asarray(a, dtype), params), batch
+
+
+def test_per_head_weights_in_an_einsum_are_one_block_per_head(x64):
+    args = _per_head_problem()
+    est, auto = _curvature(_per_head_loss(False), args)
+    report = est.report
+    assert report.notes == () and report.unmatched == ()
+    assert {e.path: (e.source, e.stack_size) for e in report.entries} == {
+        "w": ("weight_first_dense_with_bias", M),
+        "b": ("weight_first_dense_with_bias", M),
+        "out": ("dense", None),
+    }
+    _, manual = _curvature(_per_head_loss(True), args, auto_register_tags=False)
+    np.testing.assert_allclose(auto, manual, rtol=1e-10, atol=1e-14)
+    assert np.abs(auto).max() > 1e-3
+
+
+def test_per_head_weights_train():
+    _, losses = fixed_rate_run(_per_head_loss(False), *_per_head_problem(dtype=jnp.float32), 5)
+    assert np.all(np.isfinite(losses)) and losses[-1] < 0.7 * losses[0], losses
+
+
 def test_vmapped_ensemble_trains():
     params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32) * 0.5, _params(3))
     rng = np.random.default_rng(4)

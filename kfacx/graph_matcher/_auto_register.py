@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import jax.extend as jex
 import jax.numpy as jnp
+import numpy as np
 
 from kfacx import _jaxpr, tags
 from kfacx._paths import check_float_params, path_to_str
@@ -172,9 +173,19 @@ def _evaluate(jaxpr, consts, args, plan: _Plan):
             if match is not None:
                 p = [read(u) for u in match.param_vars]
                 x = match.pattern.tag_inputs([read(u) for u in match.input_vars], p)
-                val = match.pattern.tag_primitive.bind(val, *x, *p, **match.meta)[0]
+                val = _bind_tag(match, val, x, p)
             env[v] = val
     return [read(v) for v in jaxpr.outvars]
+
+
+def _bind_tag(match: Match, value, inputs, params):
+    """``value`` wrapped in the match's tag (in the tag's output layout, see
+    `kfacx.graph_matcher._pattern.OUTPUT_PERMUTATION`)."""
+    perm = match.output_permutation
+    if perm is not None:
+        value = jnp.transpose(value, np.argsort(perm))
+    value = match.pattern.tag_primitive.bind(value, *inputs, *params, **match.meta)[0]
+    return value if perm is None else jnp.transpose(value, perm)
 
 
 _CUSTOM_DERIVATIVES = ("custom_jvp_call", "custom_vjp_call")

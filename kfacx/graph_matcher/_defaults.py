@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kfacx import tags
-from kfacx.graph_matcher._pattern import GraphPattern
+from kfacx.graph_matcher._pattern import OUTPUT_PERMUTATION, GraphPattern
 
 
 def _find(eqns: Sequence[Any], primitive: str) -> Any:
@@ -35,11 +35,18 @@ def weight_first_dense_parameters_extractor(eqns: Sequence[Any]) -> dict[str, An
     """Reads the contraction of ``dot_general(w, x)`` followed by a transpose (as
     in ``jax.vmap`` of ``w @ x``, e.g. Equinox's Linear) as a dense layer ``x . w``;
     with a batch dimension over ``w``'s leading axis (Equinox under `jax.vmap` over
-    stacked members), a stacked one.
+    stacked members, per-head weights in ``einsum('bthd,hde->bthe')``), a stacked one.
+
+    For a stacked layer, a transpose to another layout than the dense one (batch,
+    x's free axes, w's free axes), e.g. the head axis between the positions and the
+    features of ``'bthd,hde->bthe'``, is read as the dense layer's output transposed
+    (`OUTPUT_PERMUTATION`).
 
     Raises:
-      ValueError: when the transpose does not give the dense layout (batch, x's free
-        axes, w's free axes), or for other batched contractions.
+      ValueError: for an unstacked layer whose transpose does not give the dense
+        layout (a weight-first contraction of a stacked weight on a shared input is
+        `weight_first_shared_input_parameters_extractor`'s), or for other batched
+        contractions.
     """
     eqn, transpose = _find(eqns, "dot_general"), _find(eqns, "transpose")
     w, x = (v.aval for v in eqn.invars)
@@ -48,9 +55,14 @@ def weight_first_dense_parameters_extractor(eqns: Sequence[Any]) -> dict[str, An
     w_free, x_free = w.ndim - len(w_axes) - nb, x.ndim - len(x_axes) - nb
     # dot_general(w, x) is [batch, w free, x free]; the layer's output [batch, x free, w free].
     want = (*range(nb), *range(nb + w_free, nb + w_free + x_free), *range(nb, nb + w_free))
-    if tuple(transpose.params["permutation"]) != want:
+    meta = tags.dense_meta(x.shape, w.shape, ((x_axes, w_axes), (x_batch, w_batch)))
+    perm = tuple(transpose.params["permutation"])
+    if perm == want:
+        return meta
+    if not nb:
         raise ValueError("not the dense layout")
-    return tags.dense_meta(x.shape, w.shape, ((x_axes, w_axes), (x_batch, w_batch)))
+    # The matched output is the layer's, transposed: final[i] = layer[position of perm[i]].
+    return {**meta, OUTPUT_PERMUTATION: tuple(want.index(p) for p in perm)}
 
 
 def weight_first_shared_input_parameters_extractor(eqns: Sequence[Any]) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from typing import Any
 import jax.extend as jex
 
 from kfacx import _jaxpr
-from kfacx.graph_matcher._pattern import GraphPattern
+from kfacx.graph_matcher._pattern import OUTPUT_PERMUTATION, GraphPattern
 from kfacx.graph_matcher._verify import SHAPE_ONLY, verified
 
 _COMMUTATIVE = {"add", "mul", "add_any"}
@@ -39,6 +39,8 @@ class Match:
       meta: the tag's static metadata from the extractor.
       stacked: whether the parameters are slices of a scan's ``xs`` (a stacked
         layer, e.g. `hk.layer_stack`) rather than whole parameter leaves.
+      output_permutation: None, or the permutation that takes the tag's output
+        layout to the matched output's (`kfacx.graph_matcher._pattern.OUTPUT_PERMUTATION`).
     """
 
     pattern: GraphPattern
@@ -49,6 +51,7 @@ class Match:
     output_var: Any
     meta: dict[str, Any]
     stacked: bool = False
+    output_permutation: tuple[int, ...] | None = None
 
 
 class _Graph:
@@ -232,8 +235,10 @@ def _try_match(pattern, graph, t_eqn, claimed, claims, notes) -> Match | None:
         return None
     if meta is None:
         return None
-    stacked = any(sliced)
-    match = Match(pattern, eqns, inputs, params, leaves, tv, dict(meta), stacked=stacked)
+    meta = dict(meta)
+    permutation = meta.pop(OUTPUT_PERMUTATION, None)
+    permutation = None if permutation is None else tuple(int(i) for i in permutation)
+    match = Match(pattern, eqns, inputs, params, leaves, tv, meta, any(sliced), permutation)
     if not verified(match, graph):
         return None
     if len(sliced) > 1:

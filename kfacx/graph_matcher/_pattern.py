@@ -14,8 +14,13 @@ import numpy as np
 from kfacx.tags import LayerTag
 
 #: Reads a tag's static metadata from the matched equations (in pattern order).
-#: May raise ValueError (or return None) to reject a structural match.
+#: May raise ValueError (or return None) to reject a structural match. The key
+#: `OUTPUT_PERMUTATION` is not metadata: it says that the matched output is the tag's
+#: output transposed by that permutation (the tag then wraps the value in its own layout).
 ParametersExtractor = Callable[[Sequence[Any]], Mapping[str, Any] | None]
+
+#: See `ParametersExtractor`.
+OUTPUT_PERMUTATION = "output_permutation"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -77,6 +77,7 @@ def _structure(match: Match, todo) -> tuple | None:
     )
     key = (
         repr(sorted(match.meta.items())),
+        match.output_permutation,
         tuple(operands),
         body,
         name(match.output_var),
@@ -153,6 +154,8 @@ def _check_numerically(match: Match, todo) -> bool:
             )
             tag_inputs = match.pattern.tag_inputs(inputs, params)
             (got,) = compute(tag_inputs, tuple(params), **match.meta)
+            if match.output_permutation is not None:
+                got = jax.numpy.transpose(got, match.output_permutation)
             return want, got
 
         try:
