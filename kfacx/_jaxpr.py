@@ -242,7 +242,8 @@ def _sink_scan(eqn: JaxprEqn, producers: dict, roots: set) -> JaxprEqn:
 
 
 def dce(closed: jex.core.ClosedJaxpr) -> jex.core.ClosedJaxpr:
-    """Drops the equations whose results are unused, also inside jit and remat bodies.
+    """Drops the equations whose results are unused, also inside jit and remat bodies
+    and scan bodies (a scan's unused stacked outputs go too).
 
     Tags and effectful equations are always kept. This removes, e.g., the
     backward pass of a function built as ``jax.value_and_grad(f)(...)[0]``
@@ -274,8 +275,9 @@ def _dce(jaxpr: Jaxpr, used_outputs: Sequence[bool]) -> Jaxpr:
         if not (eqn.effects or is_tag_eqn(eqn) or any(used)):
             changed = True
             continue
-        if not eqn.effects and eqn.primitive.name in _PRUNABLE_CALLS:
-            pruned = _prune_call(eqn, used if any(used) else [True] * len(used))
+        if not eqn.effects and (eqn.primitive.name in _PRUNABLE_CALLS or is_scan(eqn)):
+            prune = _prune_scan if is_scan(eqn) else _prune_call
+            pruned = prune(eqn, used if any(used) else [True] * len(used))
             changed = changed or pruned is not eqn
             eqn = pruned
         kept.append(eqn)
@@ -283,6 +285,20 @@ def _dce(jaxpr: Jaxpr, used_outputs: Sequence[bool]) -> Jaxpr:
     if not changed:
         return jaxpr
     return jaxpr.replace(eqns=kept[::-1], outvars=outvars)
+
+
+def _prune_scan(eqn: JaxprEqn, used: Sequence[bool]) -> JaxprEqn:
+    """Drops a scan's unused stacked outputs (``ys``: e.g. the residuals a
+    differentiated scan saves for its backward pass) and what only they need."""
+    ncarry = eqn.params["num_carry"]
+    keep = [True] * ncarry + list(used[ncarry:])
+    body = eqn.params["jaxpr"]
+    inner = _dce(body.jaxpr, keep)
+    if inner is body.jaxpr:
+        return eqn
+    outvars = [v for v, k in zip(eqn.outvars, keep, strict=True) if k]
+    params = dict(eqn.params, jaxpr=jex.core.ClosedJaxpr(inner, body.consts))
+    return eqn.replace(params=params, outvars=outvars)
 
 
 def _open(body: Any) -> Jaxpr:

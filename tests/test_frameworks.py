@@ -105,3 +105,40 @@ def test_equinox_mlp_is_fully_matched_and_exact():
     for layer in range(3):  # leaves: (weight, bias) per layer
         idx = np.arange(offsets[2 * layer], offsets[2 * layer + 2])
         np.testing.assert_allclose(got[np.ix_(idx, idx)], exact[np.ix_(idx, idx)], atol=1e-6)
+
+
+class _FlaxBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        h = nn.LayerNorm()(x)
+        x = x + nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=8)(h, h)
+        x = x + nn.Dense(8)(jnp.tanh(nn.Dense(16)(nn.LayerNorm()(x))))
+        return x, None
+
+
+class _FlaxScannedTransformer(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(8)(x)
+        layers = nn.scan(
+            _FlaxBlock, variable_axes={"params": 0}, split_rngs={"params": True}, length=2
+        )
+        h, _ = layers()(h, None)
+        return nn.Dense(3)(h[:, 0])
+
+
+def test_flax_scanned_transformer_with_attention_is_stacked_and_trains():
+    """`nn.scan` over Transformer blocks with `MultiHeadDotProductAttention`: every
+    parameter of the blocks is a stacked layer (2 stacked), nothing falls back; also
+    under ``jax.value_and_grad``, whose scan saves residuals for the backward pass
+    (before `kfacx._jaxpr.dce` dropped them, the LayerNorm scales fell back)."""
+    from _models import fixed_rate_run
+
+    loss, params, batch = _flax_problem(_FlaxScannedTransformer(), (4, 3, 5), 3)
+    opt, losses = fixed_rate_run(loss, params, batch, 4, learning_rate=0.02)
+    report = opt.estimator.report
+    assert report.notes == () and report.unmatched == (), str(report)
+    blocks = [e for e in report.entries if "Scan_FlaxBlock" in e.path]
+    assert blocks and {e.stack_size for e in blocks} == {2}, str(report)
+    assert {e.tag for e in blocks} == {"dense_tag", "scale_and_shift_tag"}, str(report)
+    assert np.all(np.isfinite(losses)) and losses[-1] < losses[0], losses

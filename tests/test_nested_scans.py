@@ -253,3 +253,46 @@ def test_parameters_stacked_by_different_scans_raise_or_fall_back(x64):
     # As for a weight stacked and a bias shared: the two become two layers.
     found = {e.path: (e.tag, e.uses, e.stack_size) for e in report.entries}
     assert found["w"] == ("dense_tag", K + 1, L) and found["b"] == ("scale_and_shift_tag", L, K + 1)
+
+
+def test_static_fori_loops_are_scans(x64):
+    """``fori_loop`` with static bounds is a scan: an RNN cell run by a fori_loop over
+    time inside a fori_loop of refinement passes is one layer applied K x T times."""
+    params, batch = _params("repeated_rnn"), _batch()
+
+    def model(unrolled):
+        def loss(p, batch):
+            xs, labels = batch
+            seq = jnp.tanh(_dense(False, jnp.swapaxes(xs, 0, 1), p["inp"]))
+
+            def refine(_, h):
+                def step(t, h):
+                    return _cell(False, p["cell"], h, seq[t])
+
+                if unrolled:
+                    for t in range(T):
+                        h = step(t, h)
+                    return h
+                return jax.lax.fori_loop(0, T, step, h)
+
+            h = jnp.zeros_like(seq[0])
+            if unrolled:
+                for k in range(K):
+                    h = refine(k, h)
+            else:
+                h = jax.lax.fori_loop(0, K, refine, h)
+            logits = kfacx.register_softmax_cross_entropy_loss(h @ p["out"], labels)
+            return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], 1))
+
+        return loss
+
+    est, looped = _stats(model(False), (params, batch))
+    assert est.report.notes == () and est.report.unmatched == ()
+    assert {e.path: e.uses for e in est.report.entries if "cell" in e.path} == {
+        "cell/wx": K * T,
+        "cell/wh": K * T,
+        "cell/b": K * T,
+    }
+    _, unrolled = _stats(model(True), (params, batch))
+    for got, want in zip(looped, unrolled, strict=True):
+        _close(got, want)
