@@ -735,7 +735,10 @@ def test_fast_compile_options_reach_the_step_and_change_nothing_but_rounding():
     def make(**extra):
         return kfacx.Optimizer(jax.value_and_grad(mlp_loss), **DETERMINISTIC, **kwargs, **extra)
 
-    default = run(make(), params, batch, 3)
+    # XLA's defaults spelled out: tests/conftest.py compiles everything else with the
+    # fast options.
+    xla_defaults = {"xla_cpu_use_fusion_emitters": True, "xla_backend_optimization_level": 2}
+    default = run(make(compiler_options=xla_defaults), params, batch, 3)
     fast = run(make(compiler_options=options), params, batch, 3)
     assert_trees_close(fast[:2], default[:2], rtol=1e-5, atol=1e-6)
     with pytest.raises(jax.errors.JaxRuntimeError, match="xla_no_such_option"):
