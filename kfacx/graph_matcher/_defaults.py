@@ -269,6 +269,21 @@ WEIGHT_FIRST_SHARED_INPUT_STACKED_DENSE_WITH_BIAS = GraphPattern(
     tag_inputs_func=_broadcast_to_stack,
     tag_inputs_from_params=True,
 )
+#: ``einsum('nd,edf->enf', x, w)``: every slice of a stacked weight (MoE experts) on one
+#: shared input, no bias; `jnp.einsum` emits ``dot_general(w, x)`` and a transpose that
+#: moves the stack axis first.
+WEIGHT_FIRST_SHARED_INPUT_STACKED_DENSE = GraphPattern(
+    name="weight_first_shared_input_stacked_dense",
+    tag_primitive=tags.dense,
+    compute_func=lambda x, p: jnp.transpose(
+        jax.lax.dot_general(p[0], x, (((2,), (1,)), ((), ()))), (0, 2, 1)
+    ),
+    parameters_extractor_func=weight_first_shared_input_parameters_extractor,
+    example_args=[_z(2, 3), [_z(4, 5, 3)]],
+    precedence=12,
+    tag_inputs_func=_broadcast_to_stack,
+    tag_inputs_from_params=True,
+)
 SHARED_INPUT_STACKED_DENSE_WITH_BIAS = GraphPattern(
     name="shared_input_stacked_dense_with_bias",
     tag_primitive=tags.dense,
@@ -313,6 +328,17 @@ OFFSET_SCALE = GraphPattern(
     name="offset_scale",
     tag_primitive=tags.scale_and_shift,
     compute_func=lambda x, p: x * (1.0 + p[0]),
+    parameters_extractor_func=_scale_and_shift_extractor(True, False, 1.0),
+    example_args=[_z(2, 3), [_z(3)]],
+    precedence=6,
+)
+#: ``x * (1 + expand_dims(scale))``: `OFFSET_SCALE` with the scale broadcast to ``x``'s rank
+#: *before* the offset is added, as Gemma's RMSNorm writes it
+#: (``jnp.expand_dims(scale, range(x.ndim - 1))``, then ``x * (1 + scale)``).
+EXPANDED_OFFSET_SCALE = GraphPattern(
+    name="expanded_offset_scale",
+    tag_primitive=tags.scale_and_shift,
+    compute_func=lambda x, p: x * (1.0 + jnp.expand_dims(p[0], 0)),
     parameters_extractor_func=_scale_and_shift_extractor(True, False, 1.0),
     example_args=[_z(2, 3), [_z(3)]],
     precedence=6,
@@ -390,11 +416,13 @@ DEFAULT_GRAPH_PATTERNS: tuple[GraphPattern, ...] = (
     SCALE_AND_SHIFT,
     NORMALIZATION_SCALE,
     WEIGHT_FIRST_DENSE,
+    WEIGHT_FIRST_SHARED_INPUT_STACKED_DENSE,
     TRANSPOSED_WEIGHT_DENSE,
     DENSE,
     CONV,
     EMBEDDING,
     OFFSET_SCALE,
+    EXPANDED_OFFSET_SCALE,
     SCALE,
     SHIFT,
 )
