@@ -75,12 +75,17 @@ def test_resnet_block_with_batch_norm_state_is_fully_matched():
     assert sources["conv2_d_2/w"] == "conv_with_bias"
     est = kfacx.BlockDiagonalCurvature(loss)
     curvature = est.init(jax.random.PRNGKey(0), (params, (x, labels)))
-    curvature = est.update_curvature_matrix_estimate(
-        curvature, 0.0, 1.0, None, jax.random.PRNGKey(1), (params, (x, labels))
-    )
-    curvature = est.update_cache(curvature, 1e-3)
-    grads = jax.grad(loss)(params, (x, labels))
-    step = est.multiply_inverse(curvature, grads, 1e-3, use_cached=True)
+
+    @jax.jit  # one compilation instead of one per operation run eagerly
+    def preconditioned_grads(curvature, params, batch):
+        curvature = est.update_curvature_matrix_estimate(
+            curvature, 0.0, 1.0, None, jax.random.PRNGKey(1), (params, batch)
+        )
+        curvature = est.update_cache(curvature, 1e-3)
+        grads = jax.grad(loss)(params, batch)
+        return est.multiply_inverse(curvature, grads, 1e-3, use_cached=True)
+
+    step = preconditioned_grads(curvature, params, (x, labels))
     assert np.all(np.isfinite(ravel_pytree(step)[0]))
 
 
