@@ -1,6 +1,7 @@
-"""Validation of what users hand to `kfacx.Optimizer`: parameters, batches, step
-values and optimizer states. Every check runs in Python or at trace time, never
-per compiled step; the per-step guard is the finite check in `unstaged_step`.
+"""Validation of what users hand to kfacx: options and schedules (of `kfacx.Optimizer`,
+its configs and `kfacx.scale_by_kfac`), parameters, batches, step values and optimizer
+states. Every check runs in Python or at trace time, never per compiled step; the
+per-step guard is the finite check of the step (`kfacx._step.guard_non_finite`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,47 @@ import numpy as np
 
 from kfacx import _jaxpr
 from kfacx._paths import check_float_params, path_to_str
+
+Schedule = Callable[[jax.Array], Any]
+
+
+def check_int(value: Any, name: str, minimum: int) -> int:
+    """Returns ``value`` if it is an int (not a bool) ``>= minimum``.
+
+    Raises:
+      ValueError: naming the option and the value.
+    """
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}.")
+    return value
+
+
+def check_ema(value: Any) -> float:
+    """Returns the moving-average weight ``curvature_ema`` as a float in ``[0, 1)``.
+
+    Raises:
+      ValueError: naming the value.
+    """
+    if not 0.0 <= float(value) < 1.0:
+        raise ValueError(f"curvature_ema must be in [0, 1), got {value!r}.")
+    return float(value)
+
+
+def as_schedule(value: float | Schedule | None, name: str) -> Schedule | None:
+    """A schedule ``step -> value`` from a number or a schedule (None stays None).
+
+    Raises:
+      TypeError: naming the option, if ``value`` is neither a number nor callable.
+    """
+    if value is None or callable(value):
+        return value
+    try:
+        constant = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"{name} must be a number or a schedule (step -> value), got {value!r}."
+        ) from None
+    return lambda step: constant
 
 
 def all_finite(tree: Any) -> jax.Array:

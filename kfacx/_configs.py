@@ -14,9 +14,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from kfacx._checks import Schedule, as_schedule, check_ema, check_int
 from kfacx.estimator import ESTIMATION_MODES
-
-Schedule = Callable[[jax.Array], Any]
 
 # With the default curvature_batch_fraction=None, the curvature is estimated on
 # 1/8 of each batch but on at least this many examples.
@@ -70,8 +69,7 @@ class CurvatureConfig:
             raise ValueError(
                 f"estimation_mode={self.estimation_mode!r}; choose one of {ESTIMATION_MODES}."
             )
-        if not 0.0 <= self.curvature_ema < 1.0:
-            raise ValueError(f"curvature_ema must be in [0, 1), got {self.curvature_ema}.")
+        check_ema(self.curvature_ema)
         for name in ("curvature_update_period", "inverse_update_period", "num_estimator_samples"):
             check_int(getattr(self, name), name, minimum=1)
         check_int(self.num_burnin_steps, "num_burnin_steps", minimum=0)
@@ -118,6 +116,8 @@ class LearningRateConfig:
     momentum_bounds: tuple[float, float] | None = (0.0, 1.0)
 
     def __post_init__(self):
+        as_schedule(self.learning_rate_schedule, "learning_rate_schedule")
+        as_schedule(self.momentum_schedule, "momentum_schedule")
         if self.use_adaptive_momentum and not self.use_adaptive_learning_rate:
             raise ValueError(
                 "use_adaptive_momentum=True needs use_adaptive_learning_rate=True (both are "
@@ -185,6 +185,7 @@ class DampingConfig:
     include_damping_in_quad_change: bool = False
 
     def __post_init__(self):
+        as_schedule(self.damping_schedule, "damping_schedule")
         if self.use_adaptive_damping:
             if self.initial_damping is None:
                 raise ValueError("use_adaptive_damping=True needs initial_damping.")
@@ -261,8 +262,3 @@ KFAC_JAX_ONLY = {
     "precon_power": "only the inverse (-1) is supported",
     "damping_adaptation_interval_start": "not supported",
 }
-
-
-def check_int(value: Any, name: str, minimum: int) -> None:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}.")

@@ -42,9 +42,7 @@ from kfacx._configs import (
     CurvatureConfig,
     DampingConfig,
     LearningRateConfig,
-    Schedule,
 )
-from kfacx._optax import precondition
 from kfacx._placement import Placement
 from kfacx.blocks._base import zeros
 from kfacx.estimator import (
@@ -53,6 +51,7 @@ from kfacx.estimator import (
     EstimatorState,
     weighted_mean_stats,
 )
+from kfacx.transform import precondition
 
 # ----------------------------------------------------------------------------- state
 
@@ -113,13 +112,6 @@ def _tree_axpy(a: Any, x: Any, y: Any) -> Any:
 
 def _tree_scale(a: Any, x: Any) -> Any:
     return jax.tree.map(lambda u: (a * u).astype(u.dtype), x)
-
-
-def _as_schedule(value: float | Schedule | None) -> Schedule | None:
-    if value is None or callable(value):
-        return value
-    constant = float(value)
-    return lambda step: constant
 
 
 # ----------------------------------------------------------------------------- optimizer
@@ -253,9 +245,15 @@ class Optimizer:
             compiler_options,
         )
         self.debug = debug
-        self._lr_schedule = _as_schedule(self.learning_rate.learning_rate_schedule)
-        self._momentum_schedule = _as_schedule(self.learning_rate.momentum_schedule)
-        self._damping_schedule = _as_schedule(self.damping.damping_schedule)
+        self._lr_schedule = _checks.as_schedule(
+            self.learning_rate.learning_rate_schedule, "learning_rate_schedule"
+        )
+        self._momentum_schedule = _checks.as_schedule(
+            self.learning_rate.momentum_schedule, "momentum_schedule"
+        )
+        self._damping_schedule = _checks.as_schedule(
+            self.damping.damping_schedule, "damping_schedule"
+        )
         cfg = self.curvature
         self.estimator = BlockDiagonalCurvature(
             self._value_func,

@@ -500,6 +500,9 @@ def test_flat_kwargs_fill_the_configs():
         (dict(num_microbatches=0), ValueError, "num_microbatches"),
         (dict(estimation_mode="fisher"), ValueError, "estimation_mode"),
         (dict(min_damping=2.0, max_damping=1.0), ValueError, "min_damping"),
+        (dict(learning_rate_schedule="0.1x"), TypeError, "learning_rate_schedule must be a"),
+        (dict(momentum_schedule=[0.9]), TypeError, "momentum_schedule must be a number"),
+        (dict(damping_schedule="high"), TypeError, "damping_schedule must be a number"),
         (dict(curvature=dict(curvature_ema=0.9)), TypeError, "CurvatureConfig"),
         (dict(compiler_options="fast"), TypeError, "compiler_options must be a dict"),
         (
