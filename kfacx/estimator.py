@@ -13,6 +13,7 @@ import numpy as np
 from kfacx import _refresh, graph_matcher, tracer
 from kfacx import blocks as blocks_lib
 from kfacx.losses import LossFunction
+from kfacx.parallel import _reductions
 
 #: Estimation modes understood by `BlockDiagonalCurvature`.
 ESTIMATION_MODES = (
@@ -63,15 +64,9 @@ class CurvatureStats(NamedTuple):
 
 
 def weighted_mean_stats(stats: CurvatureStats, axis_name: str) -> CurvatureStats:
-    """The average of ``stats`` over a device axis, weighted by their batch sizes."""
-    weight = jnp.asarray(stats.batch_size, jnp.float32)
-    total = jax.lax.psum(weight, axis_name)
-    safe = jnp.where(total > 0, total, 1.0)
-    blocks = jax.tree_util.tree_map(
-        lambda s: jax.lax.psum(s * weight.astype(s.dtype), axis_name) / safe.astype(s.dtype),
-        stats.blocks,
-    )
-    return CurvatureStats(blocks, total)
+    """The average of ``stats`` over a device axis, weighted by their batch sizes
+    (`kfacx.parallel._reductions.weighted_mean`)."""
+    return CurvatureStats(*_reductions.weighted_mean(stats.blocks, stats.batch_size, axis_name))
 
 
 def _update_block(block, state, stats, ema_old, ema_new, has_coverage: bool):

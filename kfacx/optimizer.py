@@ -43,7 +43,6 @@ from kfacx._configs import (
     DampingConfig,
     LearningRateConfig,
 )
-from kfacx._placement import Placement
 from kfacx.blocks._base import zeros
 from kfacx.estimator import (
     BlockDiagonalCurvature,
@@ -51,6 +50,7 @@ from kfacx.estimator import (
     EstimatorState,
     weighted_mean_stats,
 )
+from kfacx.parallel._placement import Placement
 from kfacx.transform import precondition
 
 # ----------------------------------------------------------------------------- state
@@ -763,7 +763,7 @@ class Optimizer:
     def _stage(self):
         if self._staged_step is None:
             self._staged_step = self.placement.stage(
-                self.unstaged_step, 9, self.debug, has_aux=self.value_func_has_aux
+                self.unstaged_step, self.debug, has_aux=self.value_func_has_aux
             )
         return self._staged_step
 
@@ -859,7 +859,7 @@ class Optimizer:
         parameters (done automatically before the first `step` when
         ``num_burnin_steps > 0``). Returns ``(state, func_state)``."""
         if self._staged_burnin is None:
-            self._staged_burnin = self.placement.stage(self._burnin_step, 5, self.debug)
+            self._staged_burnin = self.placement.stage(self._burnin_step, self.debug)
         for i in range(num_steps):
             batch = next(data_iterator)
             step_rng = _fold_in(rng, i, self.multi_device)
