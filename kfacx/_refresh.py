@@ -252,3 +252,20 @@ def block_owners(refresh_plan: RefreshPlan, num_blocks: int, num_devices: int) -
             if cost > best[i][0]:
                 best[i] = (cost, owner)
     return tuple(owner for _, owner in best)
+
+
+def planned_block_owners(
+    blocks: Sequence[CurvatureBlock], cache_spec: tuple, num_devices: int
+) -> tuple[int, ...]:
+    """`block_owners` of the refresh of ``blocks`` with caches ``cache_spec`` (the
+    arguments of `kfacx.blocks.CurvatureBlock.init` after its key), planned on
+    abstract states (nothing is computed)."""
+
+    def units(_):
+        states = [b.init(jax.random.key(0), *cache_spec) for b in blocks]
+        found.append(plan(blocks, states, 1.0))
+        return 0
+
+    found: list[RefreshPlan] = []
+    jax.eval_shape(units, 0)
+    return block_owners(found[0], len(blocks), num_devices)

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kfacx import _checks, tracer
+from kfacx import _checks
 from kfacx._configs import (
     AUTO_CURVATURE_EXAMPLES,
     CONFIGS,
@@ -43,6 +43,7 @@ from kfacx._configs import (
     DampingConfig,
     LearningRateConfig,
 )
+from kfacx._statistics import ggn_gram_upper, gram_from_upper
 from kfacx.blocks._base import zeros
 from kfacx.estimator import (
     BlockDiagonalCurvature,
@@ -523,15 +524,15 @@ class Optimizer:
                 chunk = jax.tree.map(lambda x: x[:m], chunk)
             model_rng, _ = jax.random.split(jax.random.fold_in(rng, index))
             args = self._func_args(params, state, model_rng, chunk)
-            losses, jvp = tracer.loss_tags_linearize(est.tagged_func(args), args, 0)
+            losses, jvp = est.linearized_losses(args)
             mask, n = self._weight(chunk)
-            return (gram_sum + _gram_upper(losses, jvp, vectors, mask), total + n), state
+            return (gram_sum + ggn_gram_upper(losses, jvp, vectors, mask), total + n), state
 
         num = k * (k + 1) // 2
         (gram_sum, total), _ = self._scan_batch(
             batch, func_state, (jnp.zeros((num,)), jnp.zeros(())), body
         )
-        return _symmetric(gram_sum / jnp.where(total > 0, total, 1.0), k)
+        return gram_from_upper(gram_sum / jnp.where(total > 0, total, 1.0), k)
 
     # ---------------------------------------------------------------- the step
 
@@ -881,35 +882,6 @@ class Optimizer:
         if new_func_state is not None and axis is not None:
             new_func_state = jax.lax.pmean(new_func_state, axis)
         return state._replace(estimator_state=est_state), new_func_state
-
-
-def _gram_upper(losses, jvp, vectors, mask) -> jax.Array:
-    """The upper triangle (row-major) of ``sum_b (J v_i)_b^T H_b (J v_j)_b``."""
-    # One jvp per vector: on CPU this is about twice as fast as a vmapped jvp.
-    tangents = [jax.tree.map(_wide, jvp(v)) for v in vectors]
-    k = len(vectors)
-    rows = []
-    for i in range(k):
-        for j in range(i, k):
-            total = jnp.zeros(())
-            for loss, ti, tj in zip(losses, tangents[i], tangents[j], strict=True):
-                prod = ti * loss.multiply_ggn(tj)
-                if mask is not None:
-                    prod = prod * mask.reshape((-1,) + (1,) * (prod.ndim - 1)).astype(prod.dtype)
-                total = total + jnp.sum(prod)
-            rows.append(total)
-    return jnp.stack(rows)
-
-
-def _symmetric(upper: jax.Array, k: int) -> jax.Array:
-    """The symmetric ``[k, k]`` matrix of a row-major upper triangle."""
-    gram = jnp.zeros((k, k), upper.dtype)
-    index = 0
-    for i in range(k):
-        for j in range(i, k):
-            gram = gram.at[i, j].set(upper[index]).at[j, i].set(upper[index])
-            index += 1
-    return gram
 
 
 def _add_weighted(total: Any, weight: jax.Array, value: Any) -> Any:
