@@ -262,3 +262,46 @@ KFAC_JAX_ONLY = {
     "precon_power": "only the inverse (-1) is supported",
     "damping_adaptation_interval_start": "not supported",
 }
+
+
+def resolve_configs(
+    curvature: CurvatureConfig | None,
+    learning_rate: LearningRateConfig | None,
+    damping: DampingConfig | None,
+    batch: BatchConfig | None,
+    flat: Mapping[str, Any],
+) -> tuple[CurvatureConfig, LearningRateConfig, DampingConfig, BatchConfig]:
+    """The four configs of `kfacx.Optimizer`: the given ones (defaults for None) with
+    the fields in ``flat`` (keyword arguments by their kfac-jax names) replaced.
+
+    Raises:
+      TypeError: for a config of the wrong class, a kfac-jax argument kfacx does not
+        take (saying why) or an unknown argument (listing the known ones).
+      ValueError: for a bad field value (from the configs' own checks).
+    """
+    configs = {
+        "curvature": curvature or CurvatureConfig(),
+        "learning_rate": learning_rate or LearningRateConfig(),
+        "damping": damping or DampingConfig(),
+        "batch": batch or BatchConfig(),
+    }
+    for group, value in configs.items():
+        if not isinstance(value, CONFIGS[group]):
+            raise TypeError(f"{group} must be a {CONFIGS[group].__name__}, got {value!r}.")
+    for name in flat:
+        if name in KFAC_JAX_ONLY:
+            raise TypeError(
+                f"Optimizer: kfac-jax's argument {name!r} is not taken by kfacx: "
+                f"{KFAC_JAX_ONLY[name]}."
+            )
+    unknown = sorted(set(flat) - set(FLAT_NAMES))
+    if unknown:
+        raise TypeError(
+            f"Optimizer got unknown arguments {unknown}. Known keyword options: "
+            f"{sorted(FLAT_NAMES)}."
+        )
+    for group in CONFIGS:
+        fields = {k: v for k, v in flat.items() if FLAT_NAMES[k] == group}
+        if fields:
+            configs[group] = dataclasses.replace(configs[group], **fields)
+    return configs["curvature"], configs["learning_rate"], configs["damping"], configs["batch"]

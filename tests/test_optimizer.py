@@ -12,6 +12,7 @@ import optax
 import pytest
 
 import kfacx
+from kfacx import _quadratic_model, _tree
 
 # ----------------------------------------------------------------------------- fixtures
 
@@ -290,12 +291,12 @@ def test_adaptive_coefficients_minimise_the_exact_quadratic_and_rho_is_one():
         norms = jnp.array(
             [
                 [
-                    kfacx.optimizer._tree_dot(precon, precon),
-                    kfacx.optimizer._tree_dot(precon, velocity),
+                    _tree.tree_dot(precon, precon),
+                    _tree.tree_dot(precon, velocity),
                 ],
                 [
-                    kfacx.optimizer._tree_dot(precon, velocity),
-                    kfacx.optimizer._tree_dot(velocity, velocity),
+                    _tree.tree_dot(precon, velocity),
+                    _tree.tree_dot(velocity, velocity),
                 ],
             ]
         )
@@ -343,12 +344,10 @@ def test_norm_constraint_bounds_the_step():
     delta0 = jax.tree.map(lambda a, b: a - b, free_params, params)
     delta = jax.tree.map(lambda a, b: a - b, bounded_params, params)
     # The bounded step is the free step scaled by coeff with lr^2 coeff^2 p.g = c.
-    coeff = jnp.sqrt(
-        kfacx.optimizer._tree_dot(delta, delta) / kfacx.optimizer._tree_dot(delta0, delta0)
-    )
+    coeff = jnp.sqrt(_tree.tree_dot(delta, delta) / _tree.tree_dot(delta0, delta0))
     assert float(coeff) < 0.5
     assert_trees_close(delta, jax.tree.map(lambda d: coeff * d, delta0), rtol=1e-4, atol=1e-7)
-    p_dot_g = -kfacx.optimizer._tree_dot(delta0, grads) / lr
+    p_dot_g = -_tree.tree_dot(delta0, grads) / lr
     np.testing.assert_allclose(lr**2 * coeff**2 * p_dot_g, c, rtol=1e-4)
     # A loose constraint changes nothing.
     loose = kfacx.Optimizer(jax.value_and_grad(mlp_loss), norm_constraint=1e3, **kwargs)
@@ -677,7 +676,7 @@ def test_curvature_batch_fraction_estimates_on_the_leading_examples_only():
     # The gradient is still the full batch's.
     grads = jax.grad(mlp_loss)(params, batch)
     np.testing.assert_allclose(
-        history[0]["grad_norm"], jnp.sqrt(kfacx.optimizer._tree_dot(grads, grads)), rtol=1e-5
+        history[0]["grad_norm"], jnp.sqrt(_tree.tree_dot(grads, grads)), rtol=1e-5
     )
     for bad in (0.0, 1.5, "1/8"):
         with pytest.raises(ValueError, match="curvature_batch_fraction"):
@@ -754,7 +753,7 @@ def test_adaptive_momentum_is_the_quadratic_minimiser_within_its_bounds(bounds):
         a = rng.normal(size=(2, 2))
         m = a @ a.T + 1e-3 * np.eye(2)
         b = rng.normal(size=2) * rng.choice([0.1, 1.0, 10.0])
-        c = np.asarray(kfacx.optimizer._solve_2x2(jnp.asarray(m), jnp.asarray(b), bounds))
+        c = np.asarray(_quadratic_model.solve_2x2(jnp.asarray(m), jnp.asarray(b), bounds))
         grad = m @ c + b
         np.testing.assert_allclose(grad[0], 0.0, atol=1e-4 * (1 + np.abs(b).max()))
         if bounds is None:
@@ -774,8 +773,8 @@ def test_first_step_momentum_is_the_bound_nearest_zero():
     """With no velocity yet the momentum multiplies zero; it is reported as the value of
     ``momentum_bounds`` nearest 0 and the learning rate is the line minimiser."""
     m, b = jnp.array([[2.0, 0.0], [0.0, 0.0]]), jnp.array([-1.0, 0.0])
-    np.testing.assert_allclose(kfacx.optimizer._solve_2x2(m, b, (0.0, 1.0)), [0.5, 0.0])
-    np.testing.assert_allclose(kfacx.optimizer._solve_2x2(m, b, (0.3, 1.0)), [0.5, 0.3])
+    np.testing.assert_allclose(_quadratic_model.solve_2x2(m, b, (0.0, 1.0)), [0.5, 0.0])
+    np.testing.assert_allclose(_quadratic_model.solve_2x2(m, b, (0.3, 1.0)), [0.5, 0.3])
 
 
 @pytest.mark.parametrize(
@@ -798,13 +797,13 @@ def test_tree_dot_equals_the_sum_over_leaves_with_small_leaves_concatenated():
         float(np.sum(np.asarray(x, np.float64) * np.asarray(y, np.float64)))
         for x, y in zip(a, b, strict=True)
     )
-    got = jax.jit(kfacx.optimizer._tree_dot)(a, b)
+    got = jax.jit(_tree.tree_dot)(a, b)
     assert got.dtype == jnp.float32
     np.testing.assert_allclose(float(got), expected, rtol=1e-5)
     # One small leaf alone, and a non-finite entry in a small leaf, still show.
-    np.testing.assert_allclose(float(kfacx.optimizer._tree_dot(a[1:2], b[1:2])), float(a[1] @ b[1]))
+    np.testing.assert_allclose(float(_tree.tree_dot(a[1:2], b[1:2])), float(a[1] @ b[1]))
     a[1] = a[1].at[3].set(jnp.nan)
-    assert not np.isfinite(float(kfacx.optimizer._tree_dot(a, b)))
+    assert not np.isfinite(float(_tree.tree_dot(a, b)))
 
 
 @pytest.mark.parametrize("ok", [True, False])
@@ -823,7 +822,7 @@ def test_keep_unless_returns_either_tree_bit_for_bit(ok):
 
     new, old = tree(2), tree(3)
     new["w"] = new["w"].at[0, 0].set(jnp.nan)  # a select must not mix NaN into the old tree
-    out = jax.jit(kfacx.optimizer._keep_unless)(jnp.asarray(ok), new, old)
+    out = jax.jit(_tree.keep_unless)(jnp.asarray(ok), new, old)
     want = new if ok else old
     assert out["none"] is None
     for key in ("w", "b", "count"):
