@@ -21,6 +21,7 @@ The pieces emit the operations of the step in the order it has always had them
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -85,27 +86,21 @@ class KfacStep:
         precon, est_state = self._precondition(
             state, grads, stats, identity_weight, update_curvature
         )
-
-        def gram_of(vectors):
-            gram = self.passes.curvature_gram(params, func_state, rng, batch, vectors)
-            return gram if self.placement.axis_name is None else self._pmean(gram)
-
         coeffs, lr, mom, model, precon = self._coefficients(
             grads,
             precon,
             state.velocities,
             identity_weight,
-            gram_of,
+            self._gram_of(params, func_state, rng, batch),
             learning_rate,
             momentum,
             global_step,
         )
         delta = _quadratic_model.update_direction(coeffs, precon, state.velocities)
         new_params = jax.tree.map(lambda p, d: p + d, params, delta)
-
-        def loss_at_new_params():
-            return self.passes.loss_at(new_params, func_state, rng, batch)
-
+        loss_at_new_params = functools.partial(
+            self.passes.loss_at, new_params, func_state, rng, batch
+        )
         quad_change, new_damping, rho = self._adapt_damping(
             state, model, coeffs, lam, loss, params, new_params, loss_at_new_params
         )
@@ -116,21 +111,14 @@ class KfacStep:
             data_seen=state.data_seen + self.passes.examples_seen(batch, self.placement.axis_name),
             step_counter=step + 1,
         )
-        # Skip the step (keep params and state bit for bit) on a non-finite loss, gradient,
-        # statistic or update, or a damping that is not positive (e.g. a schedule returning
-        # NaN). The squared norms, needed for the returned stats anyway, stand in for a
-        # scan of every leaf: a non-finite entry (or an overflowing norm) makes them so.
-        # The factors are moving averages of finite statistics, and a non-finite cached
-        # inverse would show in the update, so the (large) curvature state is not scanned.
-        # `keep_unless` keeps or replaces the whole state.
         sq_norms = [_tree.tree_dot(v, v) for v in (grads, precon, delta)]
-        positive = _damping.positive_or_nan(lam)
-        checked = (loss, sq_norms[0], sq_norms[2], new_state.damping, positive, stats.blocks)
-        old_func_state = None if new_func_state is None else func_state
-        finite, (new_params, new_state, new_func_state) = _tree.guard_non_finite(
-            (*checked, new_func_state),
-            (new_params, new_state, new_func_state),
-            (params, state, old_func_state),
+        finite, (new_params, new_state, new_func_state) = _guard(
+            loss,
+            sq_norms,
+            lam,
+            stats,
+            new=(new_params, new_state, new_func_state),
+            old=(params, state, func_state),
         )
         stats_out = _step_stats(
             loss, lr, mom, lam, rho, quad_change, sq_norms, step, new_state, finite
@@ -140,6 +128,15 @@ class KfacStep:
         if self.passes.call.has_state:
             return new_params, new_state, new_func_state, stats_out
         return new_params, new_state, stats_out
+
+    def _gram_of(self, params, func_state, rng, batch):
+        """``vectors -> [k, k]`` exact curvature products, averaged over the devices."""
+
+        def gram_of(vectors):
+            gram = self.passes.curvature_gram(params, func_state, rng, batch, vectors)
+            return gram if self.placement.axis_name is None else self._pmean(gram)
+
+        return gram_of
 
     def _check_inputs(self, params, state, rng, batch, func_state) -> None:
         """At trace time only: an empty batch, or a state made for another model."""
@@ -251,6 +248,28 @@ class KfacStep:
             damp_cfg, state.damping, state.step_counter, reduction_ratio
         )
         return quad_change, new_damping, rho
+
+
+def _guard(loss, sq_norms, lam, stats, new, old):
+    """``(finite, new or old)``: skip the step (keep params and state bit for bit) on a
+    non-finite loss, gradient, statistic or update, or a damping that is not positive
+    (e.g. a schedule returning NaN).
+
+    ``new`` and ``old`` are ``(params, state, func_state)``. The squared norms
+    ``sq_norms`` (of the gradient, the preconditioned gradient and the update), needed
+    for the returned stats anyway, stand in for a scan of every leaf: a non-finite
+    entry (or an overflowing norm) makes them so. The factors are moving averages of
+    finite statistics, and a non-finite cached inverse would show in the update, so the
+    (large) curvature state is not scanned. `kfacx._tree.keep_unless` keeps or
+    replaces the whole state.
+    """
+    _, new_state, new_func_state = new
+    params, state, func_state = old
+    grad_sq, _, update_sq = sq_norms
+    positive = _damping.positive_or_nan(lam)  # a damping <= 0 counts as non-finite
+    checked = (loss, grad_sq, update_sq, new_state.damping, positive, stats.blocks)
+    old_func_state = None if new_func_state is None else func_state
+    return _tree.guard_non_finite((*checked, new_func_state), new, (params, state, old_func_state))
 
 
 def _step_stats(loss, lr, mom, lam, rho, quad_change, sq_norms, step, new_state, finite):
