@@ -263,6 +263,9 @@ class BlockDiagonalCurvature:
     ) -> EstimatorState:
         """Folds the statistics of ``func_args``'s batch into every block.
 
+        `compute_curvature_stats` then `update_curvature_estimate_from_stats` (per
+        block: `kfacx.blocks.CurvatureBlock.update_curvature_matrix_estimate`).
+
         Args:
           state: the estimator state.
           ema_old, ema_new: moving-average weights (``new = old * ema_old + stat * ema_new``).
@@ -363,6 +366,10 @@ class BlockDiagonalCurvature:
     ) -> EstimatorState:
         """Folds precomputed statistics into every block's moving averages.
 
+        The second half of `update_curvature_matrix_estimate` (per block:
+        `kfacx.blocks.CurvatureBlock.update_from_statistics`); used by
+        `kfacx.transform.precondition`, the core of `kfacx.scale_by_kfac`.
+
         With ``pmap_axis_name`` the statistics are first averaged over that
         device axis (weighted by each device's batch size), so all devices
         end with the same state.
@@ -384,18 +391,14 @@ class BlockDiagonalCurvature:
     ) -> tuple[tuple[LossFunction, ...], Callable[[Any], tuple[jax.Array, ...]]]:
         """The registered losses at ``func_args``, and their predictions' Jacobian.
 
-        For exact curvature products: with ``losses, jvp = linearized_losses(args)``,
-        ``jvp(v)`` maps a parameter-shaped tangent ``v`` to the tangents ``J v`` of
-        the losses' predictions, and ``loss.multiply_ggn`` multiplies by each loss's
-        Gauss-Newton matrix ``H``, so that ``(J u)^T H (J v)`` is ``u^T C v`` for the
-        exact Gauss-Newton matrix ``C`` (`kfacx._statistics.ggn_gram_upper` computes
-        these for several vectors at once; `kfacx.Optimizer`'s quadratic model uses it).
-
-        Args:
-          func_args: the arguments of ``func`` (parameters and batch).
+        For exact curvature products: ``jvp(v)`` maps a parameter-shaped ``v`` to
+        the tangents ``J v`` of the losses' predictions and ``loss.multiply_ggn``
+        multiplies by each loss's Gauss-Newton matrix ``H``, so ``(J u)^T H (J v)`` is
+        ``u^T C v`` for the exact Gauss-Newton matrix ``C``
+        (`kfacx._statistics.ggn_gram_upper`; `kfacx.Optimizer`'s quadratic model).
 
         Returns:
-          ``(losses, jvp)``.
+          ``(losses, jvp)`` at ``func_args`` (parameters and batch).
         """
         func = self.tagged_func(func_args)
         return tracer.loss_tags_linearize(func, func_args, self.params_index)
