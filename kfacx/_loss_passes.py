@@ -133,6 +133,11 @@ class BatchPasses:
         return jax.tree.map(lambda x: x[0], self.split_batch(batch))
 
     def split_batch(self, batch):
+        """``batch`` with its leading axis split into ``[num_microbatches, n / k]``.
+
+        Raises:
+          ValueError: if ``num_microbatches`` does not divide the batch.
+        """
         k = self.config.num_microbatches
 
         def split(x):
@@ -162,6 +167,7 @@ class BatchPasses:
         return acc, state
 
     def weight(self, chunk):
+        """``(mask or None, number of real examples)`` of a (micro-)batch."""
         mask = self.mask(chunk)
         if mask is not None:
             return mask, jnp.sum(mask)

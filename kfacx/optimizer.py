@@ -147,11 +147,10 @@ class Optimizer:
             raise TypeError(f"value_and_grad_func must be callable, got {value_and_grad_func!r}.")
         if not float(l2_reg) >= 0:
             raise ValueError(f"l2_reg must be >= 0, got {l2_reg}.")
-        self.curvature, self.learning_rate, self.damping, self.batch = resolve_configs(
+        curvature, learning_rate, damping, batch = resolve_configs(
             curvature, learning_rate, damping, batch, kwargs
         )
         self.value_and_grad_func = value_and_grad_func
-        self.l2_reg = float(l2_reg)
         self.value_func_has_aux = value_func_has_aux
         self.value_func_has_state = value_func_has_state
         self.value_func_has_rng = value_func_has_rng
@@ -170,16 +169,14 @@ class Optimizer:
         call = LossCall(
             value_and_grad_func, value_func_has_aux, value_func_has_state, value_func_has_rng
         )
-        self.estimator = self._make_estimator(call.value)
-        self._passes = BatchPasses(
-            call, self.estimator, self.batch, self.curvature.curvature_batch_fraction
-        )
+        self.estimator = _make_estimator(call.value, curvature)
+        self._passes = BatchPasses(call, self.estimator, batch, curvature.curvature_batch_fraction)
         self._kfac_step = KfacStep(
-            self.curvature,
-            self.learning_rate,
-            self.damping,
-            self.l2_reg,
-            _schedules(self.learning_rate, self.damping),
+            curvature,
+            learning_rate,
+            damping,
+            float(l2_reg),
+            _schedules(learning_rate, damping),
             self._passes,
             self.placement,
             self.unstaged_init,
@@ -189,19 +186,33 @@ class Optimizer:
         self._is_set_up = False
         self._past_first_step = False
 
-    def _make_estimator(self, value_func: Callable[..., Any]) -> BlockDiagonalCurvature:
-        cfg = self.curvature
-        return BlockDiagonalCurvature(
-            value_func,
-            params_index=0,
-            layer_tag_to_block_ctor=cfg.layer_tag_to_block_ctor,
-            default_estimation_mode=cfg.estimation_mode,
-            num_samples=cfg.num_estimator_samples,
-            exact_powers_to_cache=(-1,) if cfg.use_exact_inverses else (),
-            approx_powers_to_cache=() if cfg.use_exact_inverses else (-1,),
-            auto_register_tags=cfg.auto_register_tags,
-            auto_register_kwargs=cfg.auto_register_kwargs,
-        )
+    # The options the step was built with (read-only: the step, the estimator and the
+    # passes over the batch are made from them once).
+
+    @property
+    def curvature(self) -> CurvatureConfig:
+        """How the curvature is estimated and inverted."""
+        return self._kfac_step.curvature
+
+    @property
+    def learning_rate(self) -> LearningRateConfig:
+        """Learning rate and momentum options."""
+        return self._kfac_step.learning_rate
+
+    @property
+    def damping(self) -> DampingConfig:
+        """Damping options."""
+        return self._kfac_step.damping
+
+    @property
+    def batch(self) -> BatchConfig:
+        """How a batch is processed."""
+        return self._passes.config
+
+    @property
+    def l2_reg(self) -> float:
+        """The weight decay."""
+        return self._kfac_step.l2_reg
 
     def _check_func_state(self, func_state):
         if self.value_func_has_state and func_state is None:
@@ -420,6 +431,20 @@ class Optimizer:
         if new_func_state is not None and axis is not None:
             new_func_state = jax.lax.pmean(new_func_state, axis)
         return state._replace(estimator_state=est_state), new_func_state
+
+
+def _make_estimator(value_func: Callable[..., Any], cfg: CurvatureConfig) -> BlockDiagonalCurvature:
+    return BlockDiagonalCurvature(
+        value_func,
+        params_index=0,
+        layer_tag_to_block_ctor=cfg.layer_tag_to_block_ctor,
+        default_estimation_mode=cfg.estimation_mode,
+        num_samples=cfg.num_estimator_samples,
+        exact_powers_to_cache=(-1,) if cfg.use_exact_inverses else (),
+        approx_powers_to_cache=() if cfg.use_exact_inverses else (-1,),
+        auto_register_tags=cfg.auto_register_tags,
+        auto_register_kwargs=cfg.auto_register_kwargs,
+    )
 
 
 def _schedules(learning_rate: LearningRateConfig, damping: DampingConfig) -> tuple:

@@ -516,6 +516,16 @@ def test_bad_options_raise_clear_errors(kwargs, error, match):
         kfacx.Optimizer(jax.value_and_grad(mlp_loss), **kwargs)
 
 
+def test_options_are_read_only_after_construction():
+    """The step, the estimator and the batch passes are built from the options once:
+    changing them afterwards raises instead of being silently ignored."""
+    opt = kfacx.Optimizer(jax.value_and_grad(mlp_loss), l2_reg=1e-3, initial_damping=1e-2)
+    assert opt.l2_reg == 1e-3 and opt.damping.initial_damping == 1e-2
+    for name in ("l2_reg", "curvature", "learning_rate", "damping", "batch"):
+        with pytest.raises(AttributeError):
+            setattr(opt, name, getattr(opt, name))
+
+
 def test_missing_learning_rate_and_damping_raise():
     params, batch = make_params(), make_batch()
     opt = kfacx.Optimizer(jax.value_and_grad(mlp_loss), initial_damping=1e-3, **DETERMINISTIC)
