@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 import autoencoder_mnist as ae  # noqa: E402
 import datasets  # noqa: E402
 
-from kfacx import _distributed  # noqa: E402
+from kfacx.parallel import _distributed  # noqa: E402
 
 DAMPING = 1e-2
 

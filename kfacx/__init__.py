@@ -7,13 +7,6 @@ register the loss on the model output, and precondition gradients with
 
 from kfacx import blocks, graph_matcher, linalg, losses, parallel, tags, tracer
 from kfacx._compile import fast_compile_options
-from kfacx._optax import (
-    AccumulateCurvatureStatsState,
-    ScaleByKfacState,
-    accumulate_curvature_stats,
-    precondition,
-    scale_by_kfac,
-)
 from kfacx.blocks import (
     ConvTwoKroneckerFactored,
     CurvatureBlock,
@@ -68,6 +61,13 @@ from kfacx.tags import (
     register_squared_error_loss,
 )
 from kfacx.tracer import layer_tags_vjp, loss_tags_jvp, loss_tags_vjp
+from kfacx.transform import (
+    AccumulateCurvatureStatsState,
+    ScaleByKfacState,
+    accumulate_curvature_stats,
+    precondition,
+    scale_by_kfac,
+)
 
 __version__ = "0.1.0.dev0"
 

@@ -1,12 +1,14 @@
-"""Validation of what users hand to `kfacx.Optimizer`: parameters, batches, step
-values and optimizer states. Every check runs in Python or at trace time, never
-per compiled step; the per-step guard is the finite check in `unstaged_step`.
+"""Validation of what users hand to kfacx: options and schedules (of `kfacx.Optimizer`,
+its configs and `kfacx.scale_by_kfac`), parameters, batches, step values and optimizer
+states. Every check runs in Python or at trace time, never per compiled step; the
+per-step guard is the finite check of the step (`kfacx._step.guard_non_finite`).
 """
 
 from __future__ import annotations
 
+import math
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -16,6 +18,98 @@ import numpy as np
 
 from kfacx import _jaxpr
 from kfacx._paths import check_float_params, path_to_str
+
+Schedule = Callable[[jax.Array], Any]
+
+
+def check_int(value: Any, name: str, minimum: int) -> int:
+    """Returns ``value`` if it is an int (not a bool) ``>= minimum``.
+
+    Raises:
+      ValueError: naming the option and the value.
+    """
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}.")
+    return value
+
+
+def check_ema(value: Any) -> float:
+    """Returns the moving-average weight ``curvature_ema`` as a float in ``[0, 1)``.
+
+    Raises:
+      ValueError: naming the value.
+    """
+    if not 0.0 <= float(value) < 1.0:
+        raise ValueError(f"curvature_ema must be in [0, 1), got {value!r}.")
+    return float(value)
+
+
+def as_schedule(value: float | Schedule | None, name: str) -> Schedule | None:
+    """A schedule ``step -> value`` from a number or a schedule (None stays None).
+
+    Raises:
+      TypeError: naming the option, if ``value`` is neither a number nor callable.
+    """
+    if value is None or callable(value):
+        return value
+    try:
+        constant = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"{name} must be a number or a schedule (step -> value), got {value!r}."
+        ) from None
+    return lambda step: constant
+
+
+def check_damping(value: Any, what: str, allow_zero: bool) -> None:
+    """Rejects a concrete non-finite or non-positive damping (traced values pass)."""
+    if isinstance(value, jax.core.Tracer):
+        return
+    arr = np.asarray(value)
+    if arr.size != 1:
+        raise ValueError(f"{what}: identity_weight must be a scalar, got shape {arr.shape}.")
+    v = float(arr)
+    if not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero):
+        raise ValueError(
+            f"{what}: identity_weight (damping) must be finite and positive for inverse powers, "
+            f"got {v}. Use a damping such as 1e-3."
+        )
+
+
+def block_ctors(ctors: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``layer_tag_to_block_ctor`` as a dict, every value checked to be callable.
+
+    Raises:
+      TypeError: naming the tag whose value is not a block class or factory.
+    """
+    for name, ctor in (ctors or {}).items():
+        if not callable(ctor):
+            raise TypeError(
+                f"layer_tag_to_block_ctor[{name!r}] must be a block class or factory, got {ctor!r}."
+            )
+    return dict(ctors or {})
+
+
+def auto_register_kwargs(kwargs: Mapping[str, Any] | None, on_unmatched: Sequence[str]) -> dict:
+    """``auto_register_kwargs`` as a dict, checked: only ``graph_patterns`` and
+    ``on_unmatched`` (one of ``on_unmatched``).
+
+    Raises:
+      ValueError: naming an unknown key or a bad ``on_unmatched``.
+    """
+    kwargs = dict(kwargs or {})
+    unknown = set(kwargs) - {"graph_patterns", "on_unmatched"}
+    if unknown:
+        raise ValueError(
+            f"auto_register_kwargs has unknown keys {sorted(unknown)}; "
+            "expected graph_patterns and/or on_unmatched."
+        )
+    if kwargs.get("on_unmatched", "warn") not in on_unmatched:
+        raise ValueError(
+            f"auto_register_kwargs: on_unmatched={kwargs['on_unmatched']!r}; choose one of "
+            f"{on_unmatched}."
+        )
+    return kwargs
 
 
 def all_finite(tree: Any) -> jax.Array:

@@ -14,9 +14,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from kfacx._checks import Schedule, as_schedule, check_ema, check_int
 from kfacx.estimator import ESTIMATION_MODES
-
-Schedule = Callable[[jax.Array], Any]
 
 # With the default curvature_batch_fraction=None, the curvature is estimated on
 # 1/8 of each batch but on at least this many examples.
@@ -70,8 +69,7 @@ class CurvatureConfig:
             raise ValueError(
                 f"estimation_mode={self.estimation_mode!r}; choose one of {ESTIMATION_MODES}."
             )
-        if not 0.0 <= self.curvature_ema < 1.0:
-            raise ValueError(f"curvature_ema must be in [0, 1), got {self.curvature_ema}.")
+        check_ema(self.curvature_ema)
         for name in ("curvature_update_period", "inverse_update_period", "num_estimator_samples"):
             check_int(getattr(self, name), name, minimum=1)
         check_int(self.num_burnin_steps, "num_burnin_steps", minimum=0)
@@ -118,6 +116,8 @@ class LearningRateConfig:
     momentum_bounds: tuple[float, float] | None = (0.0, 1.0)
 
     def __post_init__(self):
+        as_schedule(self.learning_rate_schedule, "learning_rate_schedule")
+        as_schedule(self.momentum_schedule, "momentum_schedule")
         if self.use_adaptive_momentum and not self.use_adaptive_learning_rate:
             raise ValueError(
                 "use_adaptive_momentum=True needs use_adaptive_learning_rate=True (both are "
@@ -185,6 +185,7 @@ class DampingConfig:
     include_damping_in_quad_change: bool = False
 
     def __post_init__(self):
+        as_schedule(self.damping_schedule, "damping_schedule")
         if self.use_adaptive_damping:
             if self.initial_damping is None:
                 raise ValueError("use_adaptive_damping=True needs initial_damping.")
@@ -263,6 +264,44 @@ KFAC_JAX_ONLY = {
 }
 
 
-def check_int(value: Any, name: str, minimum: int) -> None:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}.")
+def resolve_configs(
+    curvature: CurvatureConfig | None,
+    learning_rate: LearningRateConfig | None,
+    damping: DampingConfig | None,
+    batch: BatchConfig | None,
+    flat: Mapping[str, Any],
+) -> tuple[CurvatureConfig, LearningRateConfig, DampingConfig, BatchConfig]:
+    """The four configs of `kfacx.Optimizer`: the given ones (defaults for None) with
+    the fields in ``flat`` (keyword arguments by their kfac-jax names) replaced.
+
+    Raises:
+      TypeError: for a config of the wrong class, a kfac-jax argument kfacx does not
+        take (saying why) or an unknown argument (listing the known ones).
+      ValueError: for a bad field value (from the configs' own checks).
+    """
+    configs = {
+        "curvature": curvature or CurvatureConfig(),
+        "learning_rate": learning_rate or LearningRateConfig(),
+        "damping": damping or DampingConfig(),
+        "batch": batch or BatchConfig(),
+    }
+    for group, value in configs.items():
+        if not isinstance(value, CONFIGS[group]):
+            raise TypeError(f"{group} must be a {CONFIGS[group].__name__}, got {value!r}.")
+    for name in flat:
+        if name in KFAC_JAX_ONLY:
+            raise TypeError(
+                f"Optimizer: kfac-jax's argument {name!r} is not taken by kfacx: "
+                f"{KFAC_JAX_ONLY[name]}."
+            )
+    unknown = sorted(set(flat) - set(FLAT_NAMES))
+    if unknown:
+        raise TypeError(
+            f"Optimizer got unknown arguments {unknown}. Known keyword options: "
+            f"{sorted(FLAT_NAMES)}."
+        )
+    for group in CONFIGS:
+        fields = {k: v for k, v in flat.items() if FLAT_NAMES[k] == group}
+        if fields:
+            configs[group] = dataclasses.replace(configs[group], **fields)
+    return configs["curvature"], configs["learning_rate"], configs["damping"], configs["batch"]

@@ -16,7 +16,7 @@ the same results (to rounding): the refresh compiles in about 3.2 s instead of
 10.2 s.
 
 Serially, every unit runs. With a device axis, each unit runs on one owner
-device, chosen by cost (`kfacx._distributed.assign_owners`), and a ``psum``
+device, chosen by cost (`kfacx.parallel._distributed.assign_owners`), and a ``psum``
 shares the results, so the distributed refresh computes exactly what the
 serial one does.
 """
@@ -31,8 +31,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kfacx import _distributed, linalg
+from kfacx import linalg
 from kfacx.blocks import BlockState, CurvatureBlock, InverseRefresh
+from kfacx.parallel import _distributed
 
 #: Whether `refresh` batches the blocks' inverses in size buckets (tests turn it off to
 #: compare with each block refreshing itself).
@@ -45,7 +46,7 @@ class RefreshPlan(NamedTuple):
     Attributes:
       runs: per unit, a function computing its result (for a bucket, its padded
         Cholesky inverses and where they succeeded; for a block, its new cache).
-      costs: per unit, its cost (``K n^3`` for a bucket; `kfacx._distributed.refresh_cost`
+      costs: per unit, its cost (``K n^3`` for a bucket; `kfacx.parallel._distributed.refresh_cost`
         for a block).
       unit_blocks: per unit, the blocks it serves.
       assemble: ``unit results -> new block states`` (it also runs the shared
@@ -251,3 +252,20 @@ def block_owners(refresh_plan: RefreshPlan, num_blocks: int, num_devices: int) -
             if cost > best[i][0]:
                 best[i] = (cost, owner)
     return tuple(owner for _, owner in best)
+
+
+def planned_block_owners(
+    blocks: Sequence[CurvatureBlock], cache_spec: tuple, num_devices: int
+) -> tuple[int, ...]:
+    """`block_owners` of the refresh of ``blocks`` with caches ``cache_spec`` (the
+    arguments of `kfacx.blocks.CurvatureBlock.init` after its key), planned on
+    abstract states (nothing is computed)."""
+
+    def units(_):
+        states = [b.init(jax.random.key(0), *cache_spec) for b in blocks]
+        found.append(plan(blocks, states, 1.0))
+        return 0
+
+    found: list[RefreshPlan] = []
+    jax.eval_shape(units, 0)
+    return block_owners(found[0], len(blocks), num_devices)

@@ -10,19 +10,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kfacx import _refresh, graph_matcher, tracer
+from kfacx import _checks, _refresh, _statistics, graph_matcher, tracer
 from kfacx import blocks as blocks_lib
+from kfacx._statistics import ESTIMATION_MODES, CurvatureStats, weighted_mean_stats
 from kfacx.losses import LossFunction
 
-#: Estimation modes understood by `BlockDiagonalCurvature`.
-ESTIMATION_MODES = (
-    "fisher_gradients",
-    "fisher_empirical",
-    "fisher_curvature_prop",
-    "ggn_curvature_prop",
-    "fisher_exact",
-    "ggn_exact",
-)
+__all__ = [
+    "DEFAULT_LAYER_TAG_TO_BLOCK_CTOR",
+    "ESTIMATION_MODES",
+    "BlockDiagonalCurvature",
+    "CurvatureStats",
+    "EstimatorState",
+    "weighted_mean_stats",
+]
 
 #: The block class used for each built-in layer tag.
 DEFAULT_LAYER_TAG_TO_BLOCK_CTOR: Mapping[str, Callable[[blocks_lib.LayerInfo], Any]] = {
@@ -39,80 +39,6 @@ class EstimatorState(NamedTuple):
     """State of `BlockDiagonalCurvature`: one `kfacx.blocks.BlockState` per block."""
 
     blocks: tuple[blocks_lib.BlockState, ...]
-
-
-class CurvatureStats(NamedTuple):
-    """One batch's curvature statistics, before they enter the moving averages.
-
-    Attributes:
-      blocks: per block, the tuple `kfacx.blocks.CurvatureBlock.compute_statistics`
-        returns (batch averages). The block of a layer used only inside
-        `lax.cond` / `lax.switch` branches has one more, last entry: its
-        *coverage*, 1 if the layer ran on this batch, 0 if its branch was not
-        taken (per slice ``[L]`` for a stacked layer), its statistics being
-        zero then. Averaged over micro-batches or devices like the other
-        entries, it becomes the fraction of the examples the layer ran on;
-        the moving averages then move by that fraction of a step towards the
-        statistics of those examples (not at all for a coverage of 0).
-      batch_size: the number of (real, unmasked) examples they average over;
-        averages of several batches or devices are weighted by it.
-    """
-
-    blocks: tuple[tuple[jax.Array, ...], ...]
-    batch_size: jax.Array
-
-
-def weighted_mean_stats(stats: CurvatureStats, axis_name: str) -> CurvatureStats:
-    """The average of ``stats`` over a device axis, weighted by their batch sizes."""
-    weight = jnp.asarray(stats.batch_size, jnp.float32)
-    total = jax.lax.psum(weight, axis_name)
-    safe = jnp.where(total > 0, total, 1.0)
-    blocks = jax.tree_util.tree_map(
-        lambda s: jax.lax.psum(s * weight.astype(s.dtype), axis_name) / safe.astype(s.dtype),
-        stats.blocks,
-    )
-    return CurvatureStats(blocks, total)
-
-
-def _update_block(block, state, stats, ema_old, ema_new, has_coverage: bool):
-    """One block's moving-average update; for a block with a coverage ``c`` (see
-    `CurvatureStats`), ``c`` of a step towards the statistics of the examples it ran
-    on: ``ema_old`` becomes ``1 - c (1 - ema_old)``, ``ema_new`` ``c ema_new`` and the
-    statistics ``stats / c`` (``c = 0`` leaves the averages as they are)."""
-    if not has_coverage:
-        return block.update_from_statistics(state, stats, ema_old, ema_new)
-    *stats, c = stats
-    c = c.astype(block.dtype)
-    safe = jnp.where(c > 0, c, 1.0)
-
-    def per_example(s):
-        return s / safe.reshape(safe.shape + (1,) * (s.ndim - safe.ndim)).astype(s.dtype)
-
-    ema_old, ema_new = (jnp.asarray(w, block.dtype) for w in (ema_old, ema_new))
-    # Exact for c = 1 (a plain update) and c = 0 (ema_old 1, ema_new 0: no change).
-    old = jnp.where(c < 1, 1 - c * (1 - ema_old), ema_old)
-    return block.update_from_statistics(state, tuple(map(per_example, stats)), old, c * ema_new)
-
-
-def _check_mode(mode: str) -> str:
-    if mode not in ESTIMATION_MODES:
-        raise ValueError(f"Unknown estimation_mode={mode!r}; choose one of {ESTIMATION_MODES}.")
-    return mode
-
-
-def _check_damping(value: Any, what: str, allow_zero: bool) -> None:
-    """Rejects a concrete non-finite or non-positive damping (traced values pass)."""
-    if isinstance(value, jax.core.Tracer):
-        return
-    arr = np.asarray(value)
-    if arr.size != 1:
-        raise ValueError(f"{what}: identity_weight must be a scalar, got shape {arr.shape}.")
-    v = float(arr)
-    if not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero):
-        raise ValueError(
-            f"{what}: identity_weight (damping) must be finite and positive for inverse powers, "
-            f"got {v}. Use a damping such as 1e-3."
-        )
 
 
 class BlockDiagonalCurvature:
@@ -170,22 +96,12 @@ class BlockDiagonalCurvature:
     ):
         if not callable(func):
             raise TypeError(f"BlockDiagonalCurvature: func must be callable, got {func!r}.")
-        if not isinstance(num_samples, int) or num_samples < 1:
-            raise ValueError(
-                f"BlockDiagonalCurvature: num_samples must be an int >= 1, got {num_samples!r}."
-            )
-        ctors = dict(DEFAULT_LAYER_TAG_TO_BLOCK_CTOR)
-        for name, ctor in (layer_tag_to_block_ctor or {}).items():
-            if not callable(ctor):
-                raise TypeError(
-                    f"layer_tag_to_block_ctor[{name!r}] must be a block class or factory, "
-                    f"got {ctor!r}."
-                )
-            ctors[name] = ctor
+        _checks.check_int(num_samples, "BlockDiagonalCurvature: num_samples", minimum=1)
+        ctors = {**DEFAULT_LAYER_TAG_TO_BLOCK_CTOR, **_checks.block_ctors(layer_tag_to_block_ctor)}
         self.func = func
         self.params_index = params_index
         self.layer_tag_to_block_ctor = ctors
-        self.default_estimation_mode = _check_mode(default_estimation_mode)
+        self.default_estimation_mode = _statistics.check_mode(default_estimation_mode)
         self.num_samples = num_samples
         self._cache_spec = (
             tuple(exact_powers_to_cache),
@@ -193,19 +109,10 @@ class BlockDiagonalCurvature:
             cache_eigenvalues,
         )
         self.auto_register_tags = auto_register_tags
-        self.auto_register_kwargs = dict(auto_register_kwargs or {})
-        unknown = set(self.auto_register_kwargs) - {"graph_patterns", "on_unmatched"}
-        if unknown:
-            raise ValueError(
-                f"auto_register_kwargs has unknown keys {sorted(unknown)}; "
-                "expected graph_patterns and/or on_unmatched."
-            )
+        self.auto_register_kwargs = _checks.auto_register_kwargs(
+            auto_register_kwargs, graph_matcher.ON_UNMATCHED
+        )
         on_unmatched = self.auto_register_kwargs.get("on_unmatched", "warn")
-        if on_unmatched not in graph_matcher.ON_UNMATCHED:
-            raise ValueError(
-                f"auto_register_kwargs: on_unmatched={on_unmatched!r}; choose one of "
-                f"{graph_matcher.ON_UNMATCHED}."
-            )
         if on_unmatched == "full" and "generic_tag" not in (layer_tag_to_block_ctor or {}):
             self.layer_tag_to_block_ctor["generic_tag"] = blocks_lib.Full
         self._traced: tracer.TracedFunction | None = None
@@ -356,6 +263,9 @@ class BlockDiagonalCurvature:
     ) -> EstimatorState:
         """Folds the statistics of ``func_args``'s batch into every block.
 
+        `compute_curvature_stats` then `update_curvature_estimate_from_stats` (per
+        block: `kfacx.blocks.CurvatureBlock.update_curvature_matrix_estimate`).
+
         Args:
           state: the estimator state.
           ema_old, ema_new: moving-average weights (``new = old * ema_old + stat * ema_new``).
@@ -385,7 +295,7 @@ class BlockDiagonalCurvature:
         example_mask: jax.Array | None = None,
     ) -> CurvatureStats:
         """This batch's curvature statistics (see `value_grads_and_curvature_stats`)."""
-        mode = _check_mode(estimation_mode or self.default_estimation_mode)
+        mode = _statistics.check_mode(estimation_mode or self.default_estimation_mode)
         self._set_up(func_args)
         func = self.tagged_func(func_args)
         losses, vjp = tracer.layer_tags_vjp(func, func_args, self.params_index)
@@ -418,7 +328,7 @@ class BlockDiagonalCurvature:
           loss with respect to the parameters, and a `CurvatureStats` to pass to
           `update_curvature_estimate_from_stats` (or to `kfacx.scale_by_kfac`).
         """
-        mode = _check_mode(estimation_mode or self.default_estimation_mode)
+        mode = _statistics.check_mode(estimation_mode or self.default_estimation_mode)
         self._set_up(func_args)
         func = self.tagged_func(func_args)
         value, grads, losses, vjp = tracer.value_and_grad_and_layer_tags_vjp(
@@ -428,27 +338,20 @@ class BlockDiagonalCurvature:
         return value, grads, stats
 
     def _stats(self, losses, vjp, mode, rng, batch_size, example_mask) -> CurvatureStats:
-        cotangents = self._loss_cotangents(losses, mode, rng)
+        cotangents = _statistics.loss_cotangents(losses, mode, rng, self.num_samples)
         if example_mask is not None:
-            example_mask = _check_mask(example_mask, losses)
-            cotangents = tuple(_mask_leading(c, example_mask, axis=1) for c in cotangents)
+            example_mask = _statistics.check_mask(example_mask, losses)
+            cotangents = tuple(
+                _statistics.mask_leading(c, example_mask, axis=1) for c in cotangents
+            )
             if batch_size is None:
                 batch_size = jnp.sum(example_mask)
         if batch_size is None:
             batch_size = losses[0].batch_size
         data = vjp.sampled(cotangents, example_mask)
         safe = jnp.maximum(jnp.asarray(batch_size, jnp.float32), 1e-12)
-
-        def block_stats(block, d, coverage_shape):
-            d = dict(d)
-            coverage = d.pop("coverage", None)
-            stats = tuple(block.compute_statistics(d, safe))
-            if coverage_shape is None:
-                return stats
-            return (*stats, jnp.broadcast_to(coverage, coverage_shape).astype(jnp.float32))
-
         blocks = tuple(
-            block_stats(block, d, c)
+            _statistics.block_statistics(block, d, safe, c)
             for block, d, c in zip(self._blocks, data, self._coverage_shapes, strict=True)
         )
         return CurvatureStats(blocks, jnp.asarray(batch_size, jnp.float32))
@@ -463,6 +366,10 @@ class BlockDiagonalCurvature:
     ) -> EstimatorState:
         """Folds precomputed statistics into every block's moving averages.
 
+        The second half of `update_curvature_matrix_estimate` (per block:
+        `kfacx.blocks.CurvatureBlock.update_from_statistics`); used by
+        `kfacx.transform.precondition`, the core of `kfacx.scale_by_kfac`.
+
         With ``pmap_axis_name`` the statistics are first averaged over that
         device axis (weighted by each device's batch size), so all devices
         end with the same state.
@@ -472,40 +379,29 @@ class BlockDiagonalCurvature:
             stats = weighted_mean_stats(stats, pmap_axis_name)
         return EstimatorState(
             tuple(
-                _update_block(b, s, st, ema_old, ema_new, c is not None)
+                _statistics.update_block(b, s, st, ema_old, ema_new, c is not None)
                 for b, s, st, c in zip(
                     self._blocks, state.blocks, stats.blocks, self._coverage_shapes, strict=True
                 )
             )
         )
 
-    def _loss_cotangents(self, losses: Sequence[LossFunction], mode: str, rng) -> tuple:
-        """Cotangents ``[samples, *prediction_shape]`` per loss, per estimation mode."""
-        if mode == "fisher_empirical":
-            return tuple(loss.empirical_fisher_cotangent()[None] for loss in losses)
-        if mode in ("fisher_exact", "ggn_exact"):
-            return _exact_cotangents(losses)
-        n = self.num_samples
-        keys = jax.random.split(rng, len(losses))
+    def linearized_losses(
+        self, func_args: Sequence[Any]
+    ) -> tuple[tuple[LossFunction, ...], Callable[[Any], tuple[jax.Array, ...]]]:
+        """The registered losses at ``func_args``, and their predictions' Jacobian.
 
-        def draw(loss: LossFunction, key):
-            sample_keys = jax.random.split(key, n)
-            if mode == "fisher_gradients":
-                cts = jax.vmap(loss.sampled_fisher_cotangent)(sample_keys)
-            else:
-                shape = loss.prediction.shape
-                signs = jax.vmap(
-                    lambda k: jax.random.rademacher(k, shape, dtype=loss.prediction.dtype)
-                )(sample_keys)
-                factor = (
-                    loss.multiply_fisher_factor
-                    if mode.startswith("fisher")
-                    else loss.multiply_ggn_factor
-                )
-                cts = jax.vmap(factor)(signs)
-            return cts / jnp.sqrt(jnp.asarray(n, cts.dtype))
+        For exact curvature products: ``jvp(v)`` maps a parameter-shaped ``v`` to
+        the tangents ``J v`` of the losses' predictions and ``loss.multiply_ggn``
+        multiplies by each loss's Gauss-Newton matrix ``H``, so ``(J u)^T H (J v)`` is
+        ``u^T C v`` for the exact Gauss-Newton matrix ``C``
+        (`kfacx._statistics.ggn_gram_upper`; `kfacx.Optimizer`'s quadratic model).
 
-        return tuple(draw(loss, k) for loss, k in zip(losses, keys, strict=True))
+        Returns:
+          ``(losses, jvp)`` at ``func_args`` (parameters and batch).
+        """
+        func = self.tagged_func(func_args)
+        return tracer.loss_tags_linearize(func, func_args, self.params_index)
 
     def update_cache(
         self, state: EstimatorState, identity_weight: Any, pmap_axis_name: str | None = None
@@ -527,7 +423,7 @@ class BlockDiagonalCurvature:
           ValueError: if ``identity_weight`` is concrete and not positive.
         """
         self._require_set_up()
-        _check_damping(identity_weight, "update_cache", allow_zero=False)
+        _checks.check_damping(identity_weight, "update_cache", allow_zero=False)
         return EstimatorState(
             _refresh.refresh(self._blocks, state.blocks, identity_weight, pmap_axis_name)
         )
@@ -540,16 +436,7 @@ class BlockDiagonalCurvature:
         bucket of ``K`` ``n x n`` factors); a block spread over several units is
         shown with the owner of its most expensive one."""
         self._require_set_up()
-        spec = self._cache_spec
-
-        def units(_):
-            states = [b.init(jax.random.key(0), *spec) for b in self._blocks]
-            found.append(_refresh.plan(self._blocks, states, 1.0))
-            return 0
-
-        found: list[_refresh.RefreshPlan] = []
-        jax.eval_shape(units, 0)
-        return _refresh.block_owners(found[0], len(self._blocks), num_devices)
+        return _refresh.planned_block_owners(self._blocks, self._cache_spec, num_devices)
 
     # ---------------------------------------------------------------- products
 
@@ -570,7 +457,7 @@ class BlockDiagonalCurvature:
           ValueError: for a bad vector, damping, or an unsupported / uncached power.
         """
         if power != 1:
-            _check_damping(identity_weight, "multiply_matpower", allow_zero=False)
+            _checks.check_damping(identity_weight, "multiply_matpower", allow_zero=False)
         vectors = self.params_to_blocks(vector)
         out = tuple(
             b.multiply_matpower(s, v, identity_weight, power, exact_power, use_cached)
@@ -596,7 +483,10 @@ class BlockDiagonalCurvature:
     def to_dense_matrix(self, state: EstimatorState) -> jax.Array:
         """The block-diagonal estimate over all parameters, flattened in pytree-leaf order."""
         traced = self._require_set_up()
-        sizes = [math.prod(s) for s in _leaf_shapes(self)]
+        sizes = [0] * traced.num_param_leaves
+        for block, ids in zip(self._blocks, traced.layer_param_leaves, strict=True):
+            for i, shape in zip(ids, block.parameters_shapes, strict=True):
+                sizes[i] = math.prod(shape)
         offsets = np.cumsum([0] + sizes)
         dense = jnp.zeros(
             (offsets[-1], offsets[-1]), self._blocks[0].dtype if self._blocks else jnp.float32
@@ -607,41 +497,3 @@ class BlockDiagonalCurvature:
             index = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in ids])
             dense = dense.at[index[:, None], index[None, :]].set(block.to_dense_matrix(s))
         return dense
-
-
-def _check_mask(mask: Any, losses: Sequence[LossFunction]) -> jax.Array:
-    mask = jnp.asarray(mask)
-    sizes = {loss.batch_size for loss in losses}
-    if mask.ndim != 1 or sizes != {mask.shape[0]}:
-        raise ValueError(
-            f"example_mask must have shape [batch] matching the registered losses' batch sizes "
-            f"{sorted(sizes)}; got shape {mask.shape}."
-        )
-    return mask
-
-
-def _mask_leading(x: jax.Array, mask: jax.Array, axis: int) -> jax.Array:
-    """``x`` times ``mask`` along axis ``axis``."""
-    shape = [1] * x.ndim
-    shape[axis] = mask.shape[0]
-    return x * mask.reshape(shape).astype(x.dtype)
-
-
-def _leaf_shapes(estimator: BlockDiagonalCurvature) -> list[tuple[int, ...]]:
-    traced = estimator._require_set_up()
-    shapes: list[Any] = [None] * traced.num_param_leaves
-    for block, ids in zip(estimator._blocks, traced.layer_param_leaves, strict=True):
-        for i, s in zip(ids, block.parameters_shapes, strict=True):
-            shapes[i] = s
-    return shapes
-
-
-def _exact_cotangents(losses: Sequence[LossFunction]) -> tuple[jax.Array, ...]:
-    """All factor columns of every loss, each loss's columns zero for the others."""
-    columns = [loss.ggn_factor_columns() for loss in losses]
-    counts = [c.shape[0] for c in columns]
-    out = []
-    for i, c in enumerate(columns):
-        before, after = sum(counts[:i]), sum(counts[i + 1 :])
-        out.append(jnp.pad(c, [(before, after)] + [(0, 0)] * (c.ndim - 1)))
-    return tuple(out)

@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 from test_optimizer import ADAPTIVE, make_batch, make_params, mlp_loss
 
 import kfacx
-from kfacx import _distributed
+from kfacx.parallel import _distributed
 
 N = 4  # conftest.py gives 4 CPU devices.
 

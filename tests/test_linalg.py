@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from kfacx import linalg
+from kfacx.linalg import _inverse
 
 
 def _psd(rng, n, rank=None, k=None):
@@ -487,13 +488,13 @@ def test_block_inverse_above_the_base_matches_float64(monkeypatch):
     levels, with odd halves) are inverted by block elimination to float32 accuracy,
     for a single matrix and a stack, ill-conditioned included; an indefinite matrix
     gives NaN everywhere (so that `psd_inverse` takes its eigh fallback)."""
-    monkeypatch.setattr(linalg, "_BLOCK_INVERSE_BASE", 16)
+    monkeypatch.setattr(_inverse, "_BLOCK_INVERSE_BASE", 16)
     rng = np.random.default_rng(8)
     for n in (37, 70):
         x = rng.standard_normal((3 * n, n)) * np.logspace(0, -2, n)
         a = x.T @ x / (3 * n) + 1e-3 * np.eye(n)
         stack = np.stack([a, _psd(rng, n) + 0.1 * np.eye(n)])
-        out = linalg._inverse_by_cholesky(_f32(stack))
+        out = _inverse._inverse_by_cholesky(_f32(stack))
         for o, m in zip(np.asarray(out, np.float64), stack, strict=True):
             expected = np.linalg.inv(np.asarray(_f32(m), np.float64))
             assert np.abs(o - expected).max() <= 2e-4 * np.abs(expected).max()
@@ -503,11 +504,11 @@ def test_block_inverse_above_the_base_matches_float64(monkeypatch):
         # Like the Cholesky path, only the lower triangle is read.
         skewed = np.tril(a) + np.triu(rng.standard_normal((n, n)), 1)
         np.testing.assert_array_equal(
-            linalg._inverse_by_cholesky(_f32(skewed)), linalg._inverse_by_cholesky(_f32(a))
+            _inverse._inverse_by_cholesky(_f32(skewed)), _inverse._inverse_by_cholesky(_f32(a))
         )
     q, _ = np.linalg.qr(rng.standard_normal((40, 40)))
     indefinite = (q * np.linspace(-1.0, 2.0, 40)) @ q.T
-    assert np.all(np.isnan(np.asarray(linalg._inverse_by_cholesky(_f32(indefinite)))))
+    assert np.all(np.isnan(np.asarray(_inverse._inverse_by_cholesky(_f32(indefinite)))))
     out = linalg.psd_inverse(_f32(indefinite), 0.1)
     _close(out, _matpower_ref(np.asarray(_f32(indefinite), np.float64), -1.0, 0.1), rtol=1e-4)
 
@@ -517,7 +518,7 @@ def test_failed_block_inverse_is_caught_from_its_diagonal(monkeypatch):
     block is indefinite, one whose Schur complement is (the leading block positive
     definite), and one that is singular to float32 are all flagged, like a check of
     every entry; the good matrix of the stack is not."""
-    monkeypatch.setattr(linalg, "_BLOCK_INVERSE_BASE", 16)
+    monkeypatch.setattr(_inverse, "_BLOCK_INVERSE_BASE", 16)
     rng = np.random.default_rng(9)
     n = 37
     good = _psd(rng, n) + 0.1 * np.eye(n)
@@ -529,10 +530,10 @@ def test_failed_block_inverse_is_caught_from_its_diagonal(monkeypatch):
     v = rng.standard_normal((n, 3))
     singular = v @ v.T  # rank 3
     stack = _f32(np.stack([good, lead_bad, schur_bad, singular]))
-    out = linalg._inverse_by_cholesky(stack)
+    out = _inverse._inverse_by_cholesky(stack)
     every_entry = np.isfinite(np.asarray(out)).all(axis=(-2, -1))
     np.testing.assert_array_equal(every_entry, [True, False, False, False])
-    np.testing.assert_array_equal(linalg._finite_inverse(out), every_entry)
+    np.testing.assert_array_equal(_inverse._finite_inverse(out), every_entry)
     padded = linalg.pad_stack([stack], jnp.full((4,), 1e-30), 40)
     _, ok = linalg.cholesky_inverse_padded(padded)
     np.testing.assert_array_equal(ok, [1.0, 0.0, 0.0, 0.0])

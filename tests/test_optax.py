@@ -855,7 +855,7 @@ def test_optimizer_and_optax_chain_take_identical_steps():
     """`kfacx.Optimizer` with a fixed learning rate, momentum, damping and ``l2_reg``
     and ``add_decayed_weights(l2) -> scale_by_kfac(damping + l2) -> scale(-lr) ->
     trace(momentum)`` go through the same preconditioning core
-    (`kfacx._optax.precondition`): the same parameters, velocities and curvature
+    (`kfacx.transform.precondition`): the same parameters, velocities and curvature
     state step after step, refreshes included."""
     lr, momentum, damping, l2 = 0.25, 0.5, DAMPING, 2.0**-6
     params, batch, reference = _plain_mlp_problem()

@@ -12,6 +12,7 @@ import optax
 import pytest
 
 import kfacx
+from kfacx import _tree
 
 # ----------------------------------------------------------------------------- fixtures
 
@@ -290,12 +291,12 @@ def test_adaptive_coefficients_minimise_the_exact_quadratic_and_rho_is_one():
         norms = jnp.array(
             [
                 [
-                    kfacx.optimizer._tree_dot(precon, precon),
-                    kfacx.optimizer._tree_dot(precon, velocity),
+                    _tree.tree_dot(precon, precon),
+                    _tree.tree_dot(precon, velocity),
                 ],
                 [
-                    kfacx.optimizer._tree_dot(precon, velocity),
-                    kfacx.optimizer._tree_dot(velocity, velocity),
+                    _tree.tree_dot(precon, velocity),
+                    _tree.tree_dot(velocity, velocity),
                 ],
             ]
         )
@@ -343,12 +344,10 @@ def test_norm_constraint_bounds_the_step():
     delta0 = jax.tree.map(lambda a, b: a - b, free_params, params)
     delta = jax.tree.map(lambda a, b: a - b, bounded_params, params)
     # The bounded step is the free step scaled by coeff with lr^2 coeff^2 p.g = c.
-    coeff = jnp.sqrt(
-        kfacx.optimizer._tree_dot(delta, delta) / kfacx.optimizer._tree_dot(delta0, delta0)
-    )
+    coeff = jnp.sqrt(_tree.tree_dot(delta, delta) / _tree.tree_dot(delta0, delta0))
     assert float(coeff) < 0.5
     assert_trees_close(delta, jax.tree.map(lambda d: coeff * d, delta0), rtol=1e-4, atol=1e-7)
-    p_dot_g = -kfacx.optimizer._tree_dot(delta0, grads) / lr
+    p_dot_g = -_tree.tree_dot(delta0, grads) / lr
     np.testing.assert_allclose(lr**2 * coeff**2 * p_dot_g, c, rtol=1e-4)
     # A loose constraint changes nothing.
     loose = kfacx.Optimizer(jax.value_and_grad(mlp_loss), norm_constraint=1e3, **kwargs)
@@ -500,6 +499,9 @@ def test_flat_kwargs_fill_the_configs():
         (dict(num_microbatches=0), ValueError, "num_microbatches"),
         (dict(estimation_mode="fisher"), ValueError, "estimation_mode"),
         (dict(min_damping=2.0, max_damping=1.0), ValueError, "min_damping"),
+        (dict(learning_rate_schedule="0.1x"), TypeError, "learning_rate_schedule must be a"),
+        (dict(momentum_schedule=[0.9]), TypeError, "momentum_schedule must be a number"),
+        (dict(damping_schedule="high"), TypeError, "damping_schedule must be a number"),
         (dict(curvature=dict(curvature_ema=0.9)), TypeError, "CurvatureConfig"),
         (dict(compiler_options="fast"), TypeError, "compiler_options must be a dict"),
         (
@@ -512,6 +514,16 @@ def test_flat_kwargs_fill_the_configs():
 def test_bad_options_raise_clear_errors(kwargs, error, match):
     with pytest.raises(error, match=match):
         kfacx.Optimizer(jax.value_and_grad(mlp_loss), **kwargs)
+
+
+def test_options_are_read_only_after_construction():
+    """The step, the estimator and the batch passes are built from the options once:
+    changing them afterwards raises instead of being silently ignored."""
+    opt = kfacx.Optimizer(jax.value_and_grad(mlp_loss), l2_reg=1e-3, initial_damping=1e-2)
+    assert opt.l2_reg == 1e-3 and opt.damping.initial_damping == 1e-2
+    for name in ("l2_reg", "curvature", "learning_rate", "damping", "batch"):
+        with pytest.raises(AttributeError):
+            setattr(opt, name, getattr(opt, name))
 
 
 def test_missing_learning_rate_and_damping_raise():
@@ -674,7 +686,7 @@ def test_curvature_batch_fraction_estimates_on_the_leading_examples_only():
     # The gradient is still the full batch's.
     grads = jax.grad(mlp_loss)(params, batch)
     np.testing.assert_allclose(
-        history[0]["grad_norm"], jnp.sqrt(kfacx.optimizer._tree_dot(grads, grads)), rtol=1e-5
+        history[0]["grad_norm"], jnp.sqrt(_tree.tree_dot(grads, grads)), rtol=1e-5
     )
     for bad in (0.0, 1.5, "1/8"):
         with pytest.raises(ValueError, match="curvature_batch_fraction"):
@@ -745,39 +757,6 @@ def test_fast_compile_options_reach_the_step_and_change_nothing_but_rounding():
         run(make(compiler_options={"xla_no_such_option": 1}), params, batch, 1)
 
 
-@pytest.mark.parametrize("bounds", [None, (0.0, 1.0), (0.2, 0.5), (-1.0, -0.5)])
-def test_adaptive_momentum_is_the_quadratic_minimiser_within_its_bounds(bounds):
-    """The solved (-learning rate, momentum) satisfy the optimality (KKT) conditions of the
-    2x2 quadratic model with the momentum constrained to ``bounds``."""
-    rng = np.random.default_rng(0)
-    for _ in range(200):
-        a = rng.normal(size=(2, 2))
-        m = a @ a.T + 1e-3 * np.eye(2)
-        b = rng.normal(size=2) * rng.choice([0.1, 1.0, 10.0])
-        c = np.asarray(kfacx.optimizer._solve_2x2(jnp.asarray(m), jnp.asarray(b), bounds))
-        grad = m @ c + b
-        np.testing.assert_allclose(grad[0], 0.0, atol=1e-4 * (1 + np.abs(b).max()))
-        if bounds is None:
-            np.testing.assert_allclose(grad[1], 0.0, atol=1e-4 * (1 + np.abs(b).max()))
-            continue
-        low, high = bounds
-        assert low - 1e-6 <= c[1] <= high + 1e-6
-        if c[1] > high - 1e-6:  # at the upper bound the model still falls towards larger values
-            assert grad[1] <= 1e-4
-        elif c[1] < low + 1e-6:
-            assert grad[1] >= -1e-4
-        else:
-            np.testing.assert_allclose(grad[1], 0.0, atol=1e-4 * (1 + np.abs(b).max()))
-
-
-def test_first_step_momentum_is_the_bound_nearest_zero():
-    """With no velocity yet the momentum multiplies zero; it is reported as the value of
-    ``momentum_bounds`` nearest 0 and the learning rate is the line minimiser."""
-    m, b = jnp.array([[2.0, 0.0], [0.0, 0.0]]), jnp.array([-1.0, 0.0])
-    np.testing.assert_allclose(kfacx.optimizer._solve_2x2(m, b, (0.0, 1.0)), [0.5, 0.0])
-    np.testing.assert_allclose(kfacx.optimizer._solve_2x2(m, b, (0.3, 1.0)), [0.5, 0.3])
-
-
 @pytest.mark.parametrize(
     "bounds", [(1.0, 0.0), (0.0,), "0,1", (0.0, float("nan")), (0.0, float("inf"))]
 )
@@ -786,49 +765,6 @@ def test_bad_momentum_bounds_raise(bounds):
         kfacx.LearningRateConfig(
             use_adaptive_learning_rate=True, use_adaptive_momentum=True, momentum_bounds=bounds
         )
-
-
-def test_tree_dot_equals_the_sum_over_leaves_with_small_leaves_concatenated():
-    rng = np.random.default_rng(0)
-    shapes = [(70, 80), (80,), (3,), (5000,), (2, 3, 4)]  # big, small, small, big, small
-    a = [jnp.asarray(rng.normal(size=s), jnp.float32) for s in shapes]
-    b = [jnp.asarray(rng.normal(size=s), jnp.float32) for s in shapes]
-    a[2], b[2] = a[2].astype(jnp.bfloat16), b[2].astype(jnp.bfloat16)  # widened, not overflowed
-    expected = sum(
-        float(np.sum(np.asarray(x, np.float64) * np.asarray(y, np.float64)))
-        for x, y in zip(a, b, strict=True)
-    )
-    got = jax.jit(kfacx.optimizer._tree_dot)(a, b)
-    assert got.dtype == jnp.float32
-    np.testing.assert_allclose(float(got), expected, rtol=1e-5)
-    # One small leaf alone, and a non-finite entry in a small leaf, still show.
-    np.testing.assert_allclose(float(kfacx.optimizer._tree_dot(a[1:2], b[1:2])), float(a[1] @ b[1]))
-    a[1] = a[1].at[3].set(jnp.nan)
-    assert not np.isfinite(float(kfacx.optimizer._tree_dot(a, b)))
-
-
-@pytest.mark.parametrize("ok", [True, False])
-def test_keep_unless_returns_either_tree_bit_for_bit(ok):
-    """Large leaves go through a select, small ones through one lax.cond: both ways give
-    exactly one of the two trees, dtypes and None leaves included."""
-
-    def tree(seed):
-        r = np.random.default_rng(seed)
-        return dict(
-            w=jnp.asarray(r.normal(size=(100, 50)), jnp.float32),
-            b=jnp.asarray(r.normal(size=(50,)), jnp.bfloat16),
-            count=jnp.asarray(r.integers(0, 9), jnp.int32),
-            none=None,
-        )
-
-    new, old = tree(2), tree(3)
-    new["w"] = new["w"].at[0, 0].set(jnp.nan)  # a select must not mix NaN into the old tree
-    out = jax.jit(kfacx.optimizer._keep_unless)(jnp.asarray(ok), new, old)
-    want = new if ok else old
-    assert out["none"] is None
-    for key in ("w", "b", "count"):
-        assert out[key].dtype == want[key].dtype
-        np.testing.assert_array_equal(np.asarray(out[key]), np.asarray(want[key]))
 
 
 def test_blocks_with_their_own_init_get_distinct_keys():

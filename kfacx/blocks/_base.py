@@ -332,10 +332,9 @@ class CurvatureBlock(abc.ABC):
         batch_size: int,
         pmap_axis_name: str | None = None,
     ) -> BlockState:
-        """Folds this batch's statistics into the moving averages.
-
-        Statistics are averaged over ``pmap_axis_name`` when it is given.
-        """
+        """Folds this batch's statistics into the moving averages: `compute_statistics`,
+        a mean over ``pmap_axis_name`` if given, `update_from_statistics` (all blocks:
+        `kfacx.BlockDiagonalCurvature.update_curvature_matrix_estimate`)."""
         stats = self.compute_statistics(estimation_data, batch_size)
         if pmap_axis_name is not None:
             stats = jax.lax.pmean(stats, pmap_axis_name)
@@ -344,7 +343,8 @@ class CurvatureBlock(abc.ABC):
     def update_from_statistics(
         self, state: BlockState, statistics: Sequence[jax.Array], ema_old: Any, ema_new: Any
     ) -> BlockState:
-        """Folds statistics computed by `compute_statistics` into the moving averages."""
+        """Folds statistics computed by `compute_statistics` into the moving averages
+        (all blocks: `kfacx.BlockDiagonalCurvature.update_curvature_estimate_from_stats`)."""
         factors = tuple(
             f.update(s, ema_old, ema_new) for f, s in zip(state.factors, statistics, strict=True)
         )

@@ -8,6 +8,17 @@ rng key::
     params = kfacx.parallel.replicate_all_local_devices(params)
     rng = kfacx.parallel.make_different_rng_key_on_all_devices(rng)
     batch = kfacx.parallel.shard_batch(batch)
+
+The package also holds kfacx's own multi-device machinery, private modules used
+by the layers above (they do no communication of their own beyond JAX's
+collectives):
+
+* ``_placement``: where `kfacx.Optimizer`'s step runs (one device, pmap, a mesh,
+  shard_map) and how it is staged;
+* ``_distributed``: the cost-balanced owner device of each unit of the inverse
+  refresh, and the refresh on owners only;
+* ``_reductions``: averages over a device axis weighted by each device's examples
+  (e.g. the curvature statistics).
 """
 
 from __future__ import annotations
@@ -17,6 +28,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+__all__ = [
+    "get_first",
+    "make_different_rng_key_on_all_devices",
+    "replicate_all_local_devices",
+    "shard_batch",
+]
 
 
 def replicate_all_local_devices(tree: Any) -> Any:

@@ -1,6 +1,7 @@
 """Where `kfacx.Optimizer`'s step runs: one device, `jax.pmap`, or a device mesh.
 
-Four placements share one pure step function (`Optimizer.unstaged_step`):
+Four placements share one pure step function (`kfacx.Optimizer.unstaged_step`), whose
+leading arguments are named in `STEP_INPUTS`:
 
 * ``single``: ``jax.jit`` on the default device;
 * ``pmap``: ``jax.pmap`` over the local devices (``multi_device=True``); inputs
@@ -22,6 +23,7 @@ processes' devices.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -29,6 +31,11 @@ import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 _P = PartitionSpec
+
+#: The leading parameters of every step function `Placement.stage` stages, in order:
+#: per device under ``pmap``; the batch split over the data axis on a mesh. Parameters
+#: after them are options shared by all devices.
+STEP_INPUTS = ("params", "state", "rng", "batch", "func_state")
 
 
 class Placement:
@@ -157,38 +164,41 @@ class Placement:
         return self._jit(fn, out_shardings=self.replicated())
 
     def stage(
-        self, fn: Callable[..., Any], num_args: int, debug: bool, has_aux: bool = False
+        self, fn: Callable[..., Any], debug: bool, has_aux: bool = False
     ) -> Callable[..., Any]:
         """Stages ``fn(params, state, rng, batch, func_state, *options)``.
 
-        The first five arguments are per device under ``pmap`` (the batch is
-        split over the data axis in the mesh placements); the remaining
-        ``num_args - 5`` options are shared. With ``has_aux`` the last output
-        is the stats dict, whose ``"aux"`` entry is per device: under
-        ``shard_map`` it comes back with a leading device axis, as from pmap.
+        The arguments named in `STEP_INPUTS` are per device under ``pmap``
+        (the batch is split over the data axis in the mesh placements); the
+        options after them are shared. With ``has_aux`` the last output is the
+        stats dict, whose ``"aux"`` entry is per device: under ``shard_map`` it
+        comes back with a leading device axis, as from pmap.
+
+        Raises:
+          TypeError: if ``fn``'s leading parameters are not `STEP_INPUTS`.
         """
+        names = _parameter_names(fn)
         if debug and self.kind in ("single", "pmap"):
             return fn
         if self.kind == "single":
             return self._jit(fn)
         if self.kind == "pmap":
-            in_axes = (0,) * 5 + (None,) * (num_args - 5)
+            in_axes = tuple(0 if name in STEP_INPUTS else None for name in names)
             return jax.pmap(fn, axis_name=self.axis_name, in_axes=in_axes)
         if self.kind == "mesh":
             return fn if debug else self._jit(fn, out_shardings=self.replicated())
         axis = self.axis_name
 
-        def local(*args):
-            args = list(args)
-            args[2] = jax.random.fold_in(args[2], jax.lax.axis_index(axis))
-            out = fn(*args)
+        def local(params, state, rng, batch, func_state, *options):
+            rng = jax.random.fold_in(rng, jax.lax.axis_index(axis))  # one sample per device
+            out = fn(params, state, rng, batch, func_state, *options)
             if not has_aux or "aux" not in out[-1]:
                 return out, None
             stats = dict(out[-1])
             aux = jax.tree.map(lambda x: x[None], stats.pop("aux"))
             return (*out[:-1], stats), aux
 
-        in_specs = (_P(), _P(), _P(), _P(axis)) + (_P(),) * (num_args - 4)
+        in_specs = tuple(_P(axis) if name == "batch" else _P() for name in names)
         # check_vma=False: the step re-evaluates the traced loss function's jaxpr
         # primitive by primitive, which mixes device-varying and replicated
         # operands without `pvary` (as under pmap). Outputs declared replicated
@@ -232,3 +242,14 @@ class Placement:
             check_vma=False,
         )
         return mapped(est_state, identity_weight)
+
+
+def _parameter_names(fn: Callable[..., Any]) -> tuple[str, ...]:
+    """The names of ``fn``'s parameters, checked to start with `STEP_INPUTS`."""
+    names = tuple(inspect.signature(fn).parameters)
+    if names[: len(STEP_INPUTS)] != STEP_INPUTS:
+        raise TypeError(
+            f"A staged step function takes {STEP_INPUTS} first, then options; "
+            f"{getattr(fn, '__name__', fn)} takes {names}."
+        )
+    return names

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from kfacx import _checks
 from kfacx.estimator import BlockDiagonalCurvature, CurvatureStats, EstimatorState
 
 
@@ -43,30 +44,6 @@ class ScaleByKfacState(NamedTuple):
 
     count: jax.Array
     estimator_state: EstimatorState
-
-
-def _as_schedule(value: float | Callable[[jax.Array], Any], name: str) -> Callable:
-    if callable(value):
-        return value
-    try:
-        constant = float(value)
-    except (TypeError, ValueError):
-        raise TypeError(
-            f"{name} must be a number or a schedule (step -> value), got {value!r}."
-        ) from None
-    return lambda count: constant
-
-
-def _check_period(value: Any, name: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}.")
-    return value
-
-
-def _check_ema(value: Any) -> float:
-    if not 0.0 <= float(value) < 1.0:
-        raise ValueError(f"curvature_ema must be in [0, 1), got {value!r}.")
-    return float(value)
 
 
 def _replace_params(func_args: Sequence[Any], params: Any, index: int) -> tuple:
@@ -189,9 +166,9 @@ def scale_by_kfac(
         raise TypeError(
             f"scale_by_kfac: estimator must be a kfacx.BlockDiagonalCurvature, got {estimator!r}."
         )
-    damping_fn = _as_schedule(damping, "damping")
-    ema = _check_ema(curvature_ema)
-    period = _check_period(inverse_update_period, "inverse_update_period")
+    damping_fn = _checks.as_schedule(damping, "damping")
+    ema = _checks.check_ema(curvature_ema)
+    period = _checks.check_int(inverse_update_period, "inverse_update_period", minimum=1)
     func_args = tuple(func_args)
     estimator.set_up(func_args)
     refresh_axis = pmap_axis_name if distributed_inverses else None
@@ -264,7 +241,7 @@ def accumulate_curvature_stats(
       An `optax.GradientTransformationExtraArgs` whose update returns
       ``((grads, {"curvature_stats": stats}), state)``.
     """
-    _check_period(num_microbatches, "num_microbatches")
+    _checks.check_int(num_microbatches, "num_microbatches", minimum=1)
 
     def init_fn(params):
         return AccumulateCurvatureStatsState(

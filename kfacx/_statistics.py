@@ -1,0 +1,217 @@
+"""One batch's curvature statistics, and what the estimator does with them.
+
+`kfacx.BlockDiagonalCurvature` builds on the pieces here:
+
+* `loss_cotangents`: the cotangents of the registered losses per estimation mode
+  (`ESTIMATION_MODES`: sampled, empirical, curvature propagation or exact), which the
+  tracer's vjp pulls back to every layer;
+* `block_statistics`: a block's statistics of one batch (`CurvatureStats` holds all
+  blocks'), with the coverage of a layer used only in `lax.cond` branches;
+* `weighted_mean_stats`: their average over a device axis;
+* `update_block`: one block's moving-average update, weighted by that coverage;
+* `ggn_gram_upper`: exact curvature products ``v_i^T C v_j`` of the linearized losses
+  (`kfacx.BlockDiagonalCurvature.linearized_losses`), for the quadratic model of
+  `kfacx.Optimizer`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from kfacx.losses import LossFunction
+from kfacx.parallel import _reductions
+
+#: Estimation modes understood by `BlockDiagonalCurvature`.
+ESTIMATION_MODES = (
+    "fisher_gradients",
+    "fisher_empirical",
+    "fisher_curvature_prop",
+    "ggn_curvature_prop",
+    "fisher_exact",
+    "ggn_exact",
+)
+
+
+class CurvatureStats(NamedTuple):
+    """One batch's curvature statistics, before they enter the moving averages.
+
+    Attributes:
+      blocks: per block, the tuple `kfacx.blocks.CurvatureBlock.compute_statistics`
+        returns (batch averages). The block of a layer used only inside
+        `lax.cond` / `lax.switch` branches has one more, last entry: its
+        *coverage*, 1 if the layer ran on this batch, 0 if its branch was not
+        taken (per slice ``[L]`` for a stacked layer), its statistics being
+        zero then. Averaged over micro-batches or devices like the other
+        entries, it becomes the fraction of the examples the layer ran on;
+        the moving averages then move by that fraction of a step towards the
+        statistics of those examples (not at all for a coverage of 0).
+      batch_size: the number of (real, unmasked) examples they average over;
+        averages of several batches or devices are weighted by it.
+    """
+
+    blocks: tuple[tuple[jax.Array, ...], ...]
+    batch_size: jax.Array
+
+
+def weighted_mean_stats(stats: CurvatureStats, axis_name: str) -> CurvatureStats:
+    """The average of ``stats`` over a device axis, weighted by their batch sizes
+    (`kfacx.parallel._reductions.weighted_mean`)."""
+    return CurvatureStats(*_reductions.weighted_mean(stats.blocks, stats.batch_size, axis_name))
+
+
+def check_mode(mode: str) -> str:
+    if mode not in ESTIMATION_MODES:
+        raise ValueError(f"Unknown estimation_mode={mode!r}; choose one of {ESTIMATION_MODES}.")
+    return mode
+
+
+def loss_cotangents(
+    losses: Sequence[LossFunction], mode: str, rng: jax.Array, num_samples: int
+) -> tuple[jax.Array, ...]:
+    """Cotangents ``[samples, *prediction_shape]`` per loss, per estimation mode."""
+    if mode == "fisher_empirical":
+        return tuple(loss.empirical_fisher_cotangent()[None] for loss in losses)
+    if mode in ("fisher_exact", "ggn_exact"):
+        return _exact_cotangents(losses)
+    n = num_samples
+    keys = jax.random.split(rng, len(losses))
+
+    def draw(loss: LossFunction, key):
+        sample_keys = jax.random.split(key, n)
+        if mode == "fisher_gradients":
+            cts = jax.vmap(loss.sampled_fisher_cotangent)(sample_keys)
+        else:
+            shape = loss.prediction.shape
+            signs = jax.vmap(
+                lambda k: jax.random.rademacher(k, shape, dtype=loss.prediction.dtype)
+            )(sample_keys)
+            factor = (
+                loss.multiply_fisher_factor
+                if mode.startswith("fisher")
+                else loss.multiply_ggn_factor
+            )
+            cts = jax.vmap(factor)(signs)
+        return cts / jnp.sqrt(jnp.asarray(n, cts.dtype))
+
+    return tuple(draw(loss, k) for loss, k in zip(losses, keys, strict=True))
+
+
+def _exact_cotangents(losses: Sequence[LossFunction]) -> tuple[jax.Array, ...]:
+    """All factor columns of every loss, each loss's columns zero for the others."""
+    columns = [loss.ggn_factor_columns() for loss in losses]
+    counts = [c.shape[0] for c in columns]
+    out = []
+    for i, c in enumerate(columns):
+        before, after = sum(counts[:i]), sum(counts[i + 1 :])
+        out.append(jnp.pad(c, [(before, after)] + [(0, 0)] * (c.ndim - 1)))
+    return tuple(out)
+
+
+def check_mask(mask: Any, losses: Sequence[LossFunction]) -> jax.Array:
+    mask = jnp.asarray(mask)
+    sizes = {loss.batch_size for loss in losses}
+    if mask.ndim != 1 or sizes != {mask.shape[0]}:
+        raise ValueError(
+            f"example_mask must have shape [batch] matching the registered losses' batch sizes "
+            f"{sorted(sizes)}; got shape {mask.shape}."
+        )
+    return mask
+
+
+def mask_leading(x: jax.Array, mask: jax.Array, axis: int) -> jax.Array:
+    """``x`` times ``mask`` along axis ``axis``."""
+    shape = [1] * x.ndim
+    shape[axis] = mask.shape[0]
+    return x * mask.reshape(shape).astype(x.dtype)
+
+
+def block_statistics(
+    block: Any, data: Any, batch_size: jax.Array, coverage_shape: tuple[int, ...] | None
+) -> tuple[jax.Array, ...]:
+    """``block``'s statistics of one batch from its estimation data, followed by its
+    coverage (see `CurvatureStats`) when ``coverage_shape`` is not None."""
+    data = dict(data)
+    coverage = data.pop("coverage", None)
+    stats = tuple(block.compute_statistics(data, batch_size))
+    if coverage_shape is None:
+        return stats
+    return (*stats, jnp.broadcast_to(coverage, coverage_shape).astype(jnp.float32))
+
+
+def update_block(block, state, stats, ema_old, ema_new, has_coverage: bool):
+    """One block's moving-average update; for a block with a coverage ``c`` (see
+    `CurvatureStats`), ``c`` of a step towards the statistics of the examples it ran
+    on: ``ema_old`` becomes ``1 - c (1 - ema_old)``, ``ema_new`` ``c ema_new`` and the
+    statistics ``stats / c`` (``c = 0`` leaves the averages as they are)."""
+    if not has_coverage:
+        return block.update_from_statistics(state, stats, ema_old, ema_new)
+    *stats, c = stats
+    c = c.astype(block.dtype)
+    safe = jnp.where(c > 0, c, 1.0)
+
+    def per_example(s):
+        return s / safe.reshape(safe.shape + (1,) * (s.ndim - safe.ndim)).astype(s.dtype)
+
+    ema_old, ema_new = (jnp.asarray(w, block.dtype) for w in (ema_old, ema_new))
+    # Exact for c = 1 (a plain update) and c = 0 (ema_old 1, ema_new 0: no change).
+    old = jnp.where(c < 1, 1 - c * (1 - ema_old), ema_old)
+    return block.update_from_statistics(state, tuple(map(per_example, stats)), old, c * ema_new)
+
+
+def ggn_gram_upper(
+    losses: Sequence[LossFunction],
+    jvp: Callable[[Any], Sequence[jax.Array]],
+    vectors: Sequence[Any],
+    mask: jax.Array | None,
+) -> jax.Array:
+    """The upper triangle (row-major) of ``sum_b (J v_i)_b^T H_b (J v_j)_b``.
+
+    ``H_b`` is the Gauss-Newton matrix of the registered losses at example ``b``
+    (`kfacx.LossFunction.multiply_ggn`) and ``J`` the Jacobian of their predictions
+    with respect to the parameters: the exact curvature ``C`` in the directions
+    ``vectors``, summed (not averaged) over the examples, the padding ones (``mask``
+    0) left out. `gram_from_upper` makes the ``[k, k]`` matrix of it.
+
+    Args:
+      losses, jvp: the linearized losses
+        (`kfacx.BlockDiagonalCurvature.linearized_losses`).
+      vectors: ``k`` parameter-shaped pytrees.
+      mask: ``[batch]`` weights of the examples, or None.
+
+    Returns:
+      The ``k (k + 1) / 2`` entries ``G[0, 0], G[0, 1], ..., G[k - 1, k - 1]``.
+    """
+    # One jvp per vector: on CPU this is about twice as fast as a vmapped jvp.
+    tangents = [jax.tree.map(wide, jvp(v)) for v in vectors]
+    k = len(vectors)
+    rows = []
+    for i in range(k):
+        for j in range(i, k):
+            total = jnp.zeros(())
+            for loss, ti, tj in zip(losses, tangents[i], tangents[j], strict=True):
+                prod = ti * loss.multiply_ggn(tj)
+                if mask is not None:
+                    prod = prod * mask.reshape((-1,) + (1,) * (prod.ndim - 1)).astype(prod.dtype)
+                total = total + jnp.sum(prod)
+            rows.append(total)
+    return jnp.stack(rows)
+
+
+def gram_from_upper(upper: jax.Array, k: int) -> jax.Array:
+    """The symmetric ``[k, k]`` matrix of a row-major upper triangle (`ggn_gram_upper`)."""
+    gram = jnp.zeros((k, k), upper.dtype)
+    index = 0
+    for i in range(k):
+        for j in range(i, k):
+            gram = gram.at[i, j].set(upper[index]).at[j, i].set(upper[index])
+            index += 1
+    return gram
+
+
+def wide(x: jax.Array) -> jax.Array:
+    """``x`` in float32 or wider (bfloat16 / float16 sums overflow or lose digits)."""
+    return x.astype(jnp.promote_types(x.dtype, jnp.float32))

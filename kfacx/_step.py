@@ -1,0 +1,291 @@
+"""`kfacx.Optimizer`'s step as one pure function, composed of named pieces.
+
+`KfacStep` is what `kfacx.Optimizer.unstaged_step` runs. In order, it:
+
+1. evaluates the loss, the gradient and the curvature statistics over the batch
+   (`kfacx._loss_passes.BatchPasses`), averaged over the devices;
+2. chooses the damping (`kfacx._damping.choose_damping`);
+3. runs the preconditioning core shared with `kfacx.scale_by_kfac`
+   (`kfacx.transform.precondition`): the curvature update, the refresh of the
+   cached inverses and ``p = (C + (damping + l2_reg) I)^-1 g``;
+4. chooses the learning rate and the momentum, given or solved on the quadratic
+   model (`kfacx._quadratic_model`);
+5. adapts the damping (`kfacx._damping.adapt_damping`, Levenberg-Marquardt);
+6. keeps the parameters and the state, bit for bit, if anything came out
+   non-finite (`kfacx._tree.guard_non_finite`).
+
+The pieces emit the operations of the step in the order it has always had them
+(``benchmarks/step_fingerprint.py`` checks that the compiled step does not change).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from kfacx import _checks, _damping, _quadratic_model, _tree
+from kfacx._checks import Schedule
+from kfacx._configs import CurvatureConfig, DampingConfig, LearningRateConfig
+from kfacx._loss_passes import BatchPasses
+from kfacx.estimator import weighted_mean_stats
+from kfacx.parallel._placement import Placement
+from kfacx.transform import precondition
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class KfacStep:
+    """The options and parts the step is made of (built by `kfacx.Optimizer`).
+
+    Attributes:
+      curvature, learning_rate, damping: the optimizer's configs.
+      l2_reg: the weight decay.
+      schedules: ``(learning_rate, momentum, damping)`` schedules, or None each.
+      passes: the passes over the batch (they hold the estimator).
+      placement: where the step runs (its device axis, the inverses' refresh).
+      init: ``(params, rng, batch, func_state) -> state``, for checking the state.
+    """
+
+    curvature: CurvatureConfig
+    learning_rate: LearningRateConfig
+    damping: DampingConfig
+    l2_reg: float
+    schedules: tuple[Schedule | None, Schedule | None, Schedule | None]
+    passes: BatchPasses
+    placement: Placement
+    init: Callable[..., Any]
+
+    def __call__(
+        self,
+        params,
+        state,
+        rng,
+        batch,
+        func_state=None,
+        learning_rate=None,
+        momentum=None,
+        damping=None,
+        global_step_int=None,
+    ):
+        """One step; see `kfacx.Optimizer.unstaged_step`."""
+        self._check_inputs(params, state, rng, batch, func_state)
+        step = state.step_counter
+        global_step = step if global_step_int is None else global_step_int
+        update_curvature = step % self.curvature.curvature_update_period == 0
+        loss, grads, stats, new_func_state, aux = self._value_grads_stats(
+            params, func_state, rng, batch, update_curvature
+        )
+        lam = _damping.choose_damping(
+            self.damping, state.damping, damping, self.schedules[2], global_step
+        )
+        identity_weight = lam + self.l2_reg
+        precon, est_state = self._precondition(
+            state, grads, stats, identity_weight, update_curvature
+        )
+        coeffs, lr, mom, model, precon = self._coefficients(
+            grads,
+            precon,
+            state.velocities,
+            identity_weight,
+            self._gram_of(params, func_state, rng, batch),
+            learning_rate,
+            momentum,
+            global_step,
+        )
+        delta = _quadratic_model.update_direction(coeffs, precon, state.velocities)
+        new_params = jax.tree.map(lambda p, d: p + d, params, delta)
+        loss_at_new_params = functools.partial(
+            self.passes.loss_at, new_params, func_state, rng, batch
+        )
+        quad_change, new_damping, rho = self._adapt_damping(
+            state, model, coeffs, lam, loss, params, new_params, loss_at_new_params
+        )
+        new_state = state._replace(
+            velocities=delta,
+            estimator_state=est_state,
+            damping=jnp.asarray(new_damping, jnp.float32),
+            data_seen=state.data_seen + self.passes.examples_seen(batch, self.placement.axis_name),
+            step_counter=step + 1,
+        )
+        sq_norms = [_tree.tree_dot(v, v) for v in (grads, precon, delta)]
+        finite, (new_params, new_state, new_func_state) = _guard(
+            loss,
+            sq_norms,
+            lam,
+            stats,
+            new=(new_params, new_state, new_func_state),
+            old=(params, state, func_state),
+        )
+        stats_out = _step_stats(
+            loss, lr, mom, lam, rho, quad_change, sq_norms, step, new_state, finite
+        )
+        if self.passes.call.has_aux:
+            stats_out["aux"] = aux
+        if self.passes.call.has_state:
+            return new_params, new_state, new_func_state, stats_out
+        return new_params, new_state, stats_out
+
+    def _gram_of(self, params, func_state, rng, batch):
+        """``vectors -> [k, k]`` exact curvature products, averaged over the devices."""
+
+        def gram_of(vectors):
+            gram = self.passes.curvature_gram(params, func_state, rng, batch, vectors)
+            return gram if self.placement.axis_name is None else self._pmean(gram)
+
+        return gram_of
+
+    def _check_inputs(self, params, state, rng, batch, func_state) -> None:
+        """At trace time only: an empty batch, or a state made for another model."""
+        _checks.check_batch(batch)
+        expected = jax.eval_shape(self.init, params, rng, batch, func_state)
+        blocks = self.passes.estimator.blocks
+        _checks.check_state(state, expected, [repr(b) for b in blocks])
+
+    def _pmean(self, tree):
+        return jax.lax.pmean(tree, self.placement.axis_name)
+
+    def _value_grads_stats(self, params, func_state, rng, batch, update_curvature):
+        """Loss, gradient (with ``l2_reg``), curvature statistics, the function's new
+        state and aux, averaged over the devices (statistics only when
+        ``update_curvature``, every ``curvature_update_period`` steps)."""
+        passes, axis = self.passes, self.placement.axis_name
+        if self.curvature.curvature_update_period == 1:
+            out = passes.value_grads_stats(params, func_state, rng, batch, True)
+        else:
+            out = jax.lax.cond(
+                update_curvature,
+                lambda: passes.value_grads_stats(params, func_state, rng, batch, True),
+                lambda: passes.value_grads_stats(params, func_state, rng, batch, False),
+            )
+        loss, grads, stats, new_func_state, aux = out
+        if axis is not None:
+            loss, grads = self._pmean((loss, grads))
+            stats = weighted_mean_stats(stats, axis)
+            if new_func_state is not None:
+                new_func_state = self._pmean(new_func_state)
+        if self.l2_reg:
+            grads = _tree.tree_axpy(self.l2_reg, params, grads)
+        return loss, grads, stats, new_func_state, aux
+
+    def _precondition(self, state, grads, stats, identity_weight, update_curvature):
+        """The curvature update and ``(C + identity_weight I)^-1 grads``: the core shared
+        with `kfacx.scale_by_kfac`, its refresh placed by `Placement.refresh`."""
+        cfg, est = self.curvature, self.passes.estimator
+        return precondition(
+            est,
+            state.estimator_state,
+            state.step_counter,
+            grads,
+            stats,
+            identity_weight,
+            curvature_ema=cfg.curvature_ema,
+            inverse_update_period=cfg.inverse_update_period,
+            use_exact_inverses=cfg.use_exact_inverses,
+            update_curvature=True if cfg.curvature_update_period == 1 else update_curvature,
+            refresh=lambda e, w: self.placement.refresh(est.update_cache, e, w),
+        )
+
+    def _coefficients(
+        self, grads, precon, velocity, identity_weight, gram_of, learning_rate, momentum, step
+    ):
+        """``(coefficients, learning_rate, momentum, quadratic model, precon)`` of the
+        update ``coefficients[0] * precon + coefficients[1] * velocity``: solved on the
+        quadratic model, or given (``precon`` then scaled by the norm constraint)."""
+        lr_cfg, qm = self.learning_rate, _quadratic_model
+        lr_schedule, momentum_schedule, _ = self.schedules
+        if lr_cfg.use_adaptive_learning_rate:
+            fixed_momentum = None
+            if not lr_cfg.use_adaptive_momentum:
+                fixed_momentum = lambda: qm.momentum_value(momentum, momentum_schedule, step)  # noqa: E731
+            coeffs, model = qm.adaptive_coefficients(
+                gram_of([precon, velocity]),
+                grads,
+                precon,
+                velocity,
+                identity_weight,
+                fixed_momentum,
+                lr_cfg.momentum_bounds,
+            )
+            return coeffs, -coeffs[0], coeffs[1], model, precon
+        lr = qm.learning_rate_value(learning_rate, lr_schedule, step)
+        mom = jnp.asarray(qm.momentum_value(momentum, momentum_schedule, step), jnp.float32)
+        if lr_cfg.norm_constraint is not None:
+            precon = qm.constrain_norm(precon, grads, lr, lr_cfg.norm_constraint)
+        gram = None
+        if self.damping.use_adaptive_damping:
+            gram = gram_of([precon, velocity])
+        coeffs, model = qm.fixed_coefficients(lr, mom, gram, grads, precon, velocity)
+        return coeffs, lr, mom, model, precon
+
+    def _adapt_damping(self, state, model, coeffs, lam, loss, params, new_params, loss_at):
+        """``(quadratic model change, new damping, reduction ratio rho)``: NaN for what
+        is not computed (no quadratic model: neither adaptive learning rate nor damping;
+        no ratio: not adaptive, or not a step of the ``damping_adaptation_interval``)."""
+        damp_cfg = self.damping
+        if model.gram is None:
+            return jnp.nan, state.damping, jnp.nan
+        quad_weight = self.l2_reg + (lam if damp_cfg.include_damping_in_quad_change else 0.0)
+        quad_change = _quadratic_model.quadratic_model_change(model, coeffs, quad_weight)
+        if not damp_cfg.use_adaptive_damping:
+            return quad_change, state.damping, jnp.nan
+
+        def reduction_ratio():
+            new_loss = loss_at()
+            if self.placement.axis_name is not None:
+                new_loss = self._pmean(new_loss)
+            reg = (
+                0.5
+                * self.l2_reg
+                * (_tree.tree_dot(new_params, new_params) - _tree.tree_dot(params, params))
+            )
+            return (new_loss - loss + reg) / quad_change
+
+        new_damping, rho = _damping.adapt_damping(
+            damp_cfg, state.damping, state.step_counter, reduction_ratio
+        )
+        return quad_change, new_damping, rho
+
+
+def _guard(loss, sq_norms, lam, stats, new, old):
+    """``(finite, new or old)``: skip the step (keep params and state bit for bit) on a
+    non-finite loss, gradient, statistic or update, or a damping that is not positive
+    (e.g. a schedule returning NaN).
+
+    ``new`` and ``old`` are ``(params, state, func_state)``. The squared norms
+    ``sq_norms`` (of the gradient, the preconditioned gradient and the update), needed
+    for the returned stats anyway, stand in for a scan of every leaf: a non-finite
+    entry (or an overflowing norm) makes them so. The factors are moving averages of
+    finite statistics, and a non-finite cached inverse would show in the update, so the
+    (large) curvature state is not scanned. `kfacx._tree.keep_unless` keeps or
+    replaces the whole state.
+    """
+    _, new_state, new_func_state = new
+    params, state, func_state = old
+    grad_sq, _, update_sq = sq_norms
+    positive = _damping.positive_or_nan(lam)  # a damping <= 0 counts as non-finite
+    checked = (loss, grad_sq, update_sq, new_state.damping, positive, stats.blocks)
+    old_func_state = None if new_func_state is None else func_state
+    return _tree.guard_non_finite((*checked, new_func_state), new, (params, state, old_func_state))
+
+
+def _step_stats(loss, lr, mom, lam, rho, quad_change, sq_norms, step, new_state, finite):
+    """The stats `kfacx.Optimizer.step` returns (without ``aux``)."""
+    grad_sq, precon_sq, update_sq = sq_norms
+    return dict(
+        loss=loss,
+        learning_rate=jnp.asarray(lr, jnp.float32),
+        momentum=jnp.asarray(mom, jnp.float32),
+        damping=jnp.asarray(lam, jnp.float32),
+        rho=jnp.asarray(rho, jnp.float32),
+        quad_model_change=jnp.asarray(quad_change, jnp.float32),
+        grad_norm=jnp.sqrt(grad_sq),
+        precon_grad_norm=jnp.sqrt(precon_sq),
+        update_norm=jnp.sqrt(update_sq),
+        step=step,
+        data_seen=new_state.data_seen,
+        skipped=~finite,
+    )
