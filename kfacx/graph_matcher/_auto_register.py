@@ -37,16 +37,17 @@ def _warn(message: str) -> None:
 
 @dataclasses.dataclass
 class _Plan:
-    """Matches of one jaxpr level, and of the bodies below it (by equation index): the
-    plan of a call or scan body, or a tuple of plans, one per branch of a cond."""
+    """Matches of one jaxpr level, and the plans of the bodies below it: by equation (its
+    ``id``), one plan per body the equation runs (`kfacx._jaxpr.bodies`: one for a call
+    or scan body, one per branch of a cond)."""
 
     matches: list[Match]
-    children: dict[int, _Plan | tuple[_Plan, ...]]
+    children: dict[int, tuple[_Plan, ...]]
 
     def all_matches(self) -> list[Match]:
         out = list(self.matches)
-        for child in self.children.values():
-            for plan in child if isinstance(child, tuple) else (child,):
+        for plans in self.children.values():
+            for plan in plans:
                 out.extend(plan.all_matches())
         return out
 
@@ -55,52 +56,46 @@ class _Plan:
         return not (self.matches or self.children)
 
 
-def _plan(jaxpr, origins, patterns, claims: dict[int, tuple], notes: list, depth=0) -> _Plan:
+def _plan(jaxpr, origins, patterns, claims: dict, notes: list, depth: int = 0) -> _Plan:
     """Matches in ``jaxpr`` and, recursively, in call bodies, cond branches and (nested)
     scan bodies; ``depth`` counts the scans around ``jaxpr``.
 
-    Inside a scan body, parameters closed over (consts) keep their leaf index and
-    scanned-over ones (xs) are labelled `kfacx._jaxpr.ScanSlice` (stacked layers).
-    A cond branch sees the labels of the cond's operands after the index.
+    Origins follow `kfacx._jaxpr.bodies`: inside a scan body, parameters closed over
+    (consts) keep their leaf index and scanned-over ones (xs) are labelled
+    `kfacx._jaxpr.ScanSlice` (stacked layers); a cond branch sees the labels of the
+    cond's operands after the index.
     """
     matches = find_matches(jaxpr, origins, patterns, claims, notes)
     if depth:
         matches = _without_stacked_dense(matches, notes)
-    env = dict(zip(jaxpr.invars, origins, strict=True))
     children = {}
-    for i, eqn in enumerate(jaxpr.eqns):
-        ins = [None if isinstance(v, jex.core.Literal) else env.get(v) for v in eqn.invars]
+    for eqn, ins in _jaxpr.eqns_with_origins(jaxpr, origins):
         if all(o is None for o in ins):
             continue
-        leaves = tuple(_jaxpr.leaf_origin(o) for o in ins if o is not None)
-        body = _jaxpr.call_body(eqn)
-        if body is not None:
-            child = _plan(body[0], ins, patterns, claims, notes, depth)
-        elif _jaxpr.is_cond(eqn):
-            child = tuple(
-                _plan(branch.jaxpr, ins[1:], patterns, claims, notes, depth)
-                for branch in eqn.params["branches"]
-            )
-            if all(plan.empty for plan in child):
-                continue
-        elif _jaxpr.is_scan(eqn):
-            _note_scan_carry(eqn, ins, notes)
-            body_origins = _jaxpr.scan_body_origins(eqn, ins, depth)
-            body = eqn.params["jaxpr"].jaxpr
-            child = _plan(body, body_origins, patterns, claims, notes, depth + 1)
-        else:
-            if any(True for _ in _jaxpr.sub_jaxprs(eqn)):
-                notes.append(
-                    (
-                        f"parameters enter a `{eqn.primitive.name}` primitive, which detection "
-                        "does not look into yet; those used only there get the fallback block",
-                        leaves,
-                    )
-                )
+        inner = _jaxpr.bodies(eqn, ins, depth)
+        if inner is None:
+            _note_unseen_body(eqn, ins, notes)
             continue
-        if isinstance(child, tuple) or not child.empty:
-            children[i] = child
+        if _jaxpr.is_scan(eqn):
+            _note_scan_carry(eqn, ins, notes)
+        plans = tuple(
+            _plan(b.jaxpr, b.origins, patterns, claims, notes, depth + (b.scan is not None))
+            for b in inner
+        )
+        if not all(plan.empty for plan in plans):
+            children[id(eqn)] = plans
     return _Plan(matches, children)
+
+
+def _note_unseen_body(eqn, ins, notes: list) -> None:
+    if any(True for _ in _jaxpr.sub_jaxprs(eqn)):
+        notes.append(
+            (
+                f"parameters enter a `{eqn.primitive.name}` primitive, which detection "
+                "does not look into yet; those used only there get the fallback block",
+                tuple(_jaxpr.leaf_origin(o) for o in ins if o is not None),
+            )
+        )
 
 
 def _without_stacked_dense(matches: list[Match], notes: list) -> list[Match]:
@@ -148,34 +143,36 @@ def _evaluate(jaxpr, consts, args, plan: _Plan):
     env: dict[Any, Any] = {}
     by_output = {id(m.output_var): m for m in plan.matches}
 
-    def read(v):
-        return v.val if isinstance(v, jex.core.Literal) else env[v]
+    def eval_eqn(eqn, invals):
+        plans = plan.children.get(id(eqn))
+        outvals = _jaxpr.bind_eqn(eqn, invals) if plans is None else _rebind(eqn, invals, plans)
+        return [
+            _tag_output(by_output.get(id(v)), val, env)
+            for v, val in zip(eqn.outvars, outvals, strict=True)
+        ]
 
-    for v, val in zip(jaxpr.constvars, consts, strict=True):
-        env[v] = val
-    for v, val in zip(jaxpr.invars, args, strict=True):
-        env[v] = val
-    for i, eqn in enumerate(jaxpr.eqns):
-        invals = [read(v) for v in eqn.invars]
-        if i in plan.children and eqn.primitive.name in _CUSTOM_DERIVATIVES:
-            outvals = _rebind_custom(eqn, invals, plan.children[i])
-        elif i in plan.children and _jaxpr.is_scan(eqn):
-            outvals = _rebind_scan(eqn, invals, plan.children[i])
-        elif i in plan.children and _jaxpr.is_cond(eqn):
-            outvals = _switch(eqn, invals, plan.children[i])
-        elif i in plan.children:
-            body, body_consts = _jaxpr.call_body(eqn)
-            outvals = _evaluate(body, body_consts, invals, plan.children[i])
-        else:
-            outvals = _jaxpr.bind_eqn(eqn, invals)
-        for v, val in zip(eqn.outvars, outvals, strict=True):
-            match = by_output.get(id(v))
-            if match is not None:
-                p = [read(u) for u in match.param_vars]
-                x = match.pattern.tag_inputs([read(u) for u in match.input_vars], p)
-                val = _bind_tag(match, val, x, p)
-            env[v] = val
-    return [read(v) for v in jaxpr.outvars]
+    return _jaxpr.eval_jaxpr(jaxpr, consts, args, eval_eqn, env)
+
+
+def _tag_output(match: Match | None, value, env):
+    """``value``, wrapped in the tag of ``match`` (its operands read from ``env``)."""
+    if match is None:
+        return value
+    params = [_jaxpr.read(env, u) for u in match.param_vars]
+    inputs = match.pattern.tag_inputs([_jaxpr.read(env, u) for u in match.input_vars], params)
+    return _bind_tag(match, value, inputs, params)
+
+
+def _rebind(eqn, invals, plans: tuple[_Plan, ...]):
+    """An equation whose bodies hold matches, evaluated with tagged bodies."""
+    if eqn.primitive.name in _CUSTOM_DERIVATIVES:
+        return _rebind_custom(eqn, invals, plans[0])
+    if _jaxpr.is_scan(eqn):
+        return _rebind_scan(eqn, invals, plans[0])
+    if _jaxpr.is_cond(eqn):
+        return _switch(eqn, invals, plans)
+    body, body_consts = _jaxpr.call_body(eqn)
+    return _evaluate(body, body_consts, invals, plans[0])
 
 
 def _bind_tag(match: Match, value, inputs, params):
@@ -336,7 +333,7 @@ def auto_register_tags(
 
 def _manual_claims(jaxpr, origins) -> dict[int, tuple]:
     claims = {}
-    for eqn, ins in _jaxpr.walk_tags(jaxpr, origins):
+    for eqn, ins, *_ in _jaxpr.tag_sites(jaxpr, origins):
         tag = tags.layer_tag_for(eqn.primitive)
         if tag is not None:
             claims.update(
