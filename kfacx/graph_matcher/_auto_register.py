@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kfacx import _jaxpr, tags
-from kfacx._paths import check_float_params, path_to_str
+from kfacx._paths import checked_param_paths, param_origins
 from kfacx.graph_matcher._defaults import DEFAULT_GRAPH_PATTERNS
 from kfacx.graph_matcher._match import MANUAL, AmbiguousPatternsError, Match, find_matches
 from kfacx.graph_matcher._pattern import GraphPattern
@@ -266,40 +266,70 @@ def auto_register_tags(
       tagged, report = kfacx.graph_matcher.auto_register_tags(loss_fn, (params, batch))
       print(report)
     """
+    _check_arguments(graph_patterns, on_unmatched)
+    func_args = tuple(func_args)
+    closed, out_tree = _traced_for_detection(func, func_args)
+    paths = list(checked_param_paths(func_args[params_index]))
+    origins = param_origins(func_args, params_index, len(closed.jaxpr.invars))
+    manual = _tagged_leaves(closed.jaxpr, origins)
+    plan, notes = _detect(closed.jaxpr, origins, list(graph_patterns), paths)
+    for note in notes:
+        _warn(f"kfacx: {note}")
+    sources = _sources(manual, plan)
+    unmatched = _check_unmatched(paths, sources, on_unmatched)
+    unmatched_leaves = {i for i, p in enumerate(paths) if i not in sources}
+    tagged = _tagged_function(closed, out_tree, plan, origins, unmatched_leaves)
+    entries = _entries(tagged, func_args, origins, paths, sources)
+    return tagged, RegistrationReport(entries, tuple(unmatched), notes)
+
+
+def _check_arguments(graph_patterns: Sequence[GraphPattern], on_unmatched: str) -> None:
     if on_unmatched not in ON_UNMATCHED:
         raise ValueError(f"on_unmatched={on_unmatched!r}; choose one of {ON_UNMATCHED}.")
     for p in graph_patterns:
         if not isinstance(p, GraphPattern):
             raise TypeError(f"graph_patterns must hold GraphPattern objects, got {p!r}.")
         _ = p.jaxpr  # Fails early, with the pattern's name, if it does not trace.
-    func_args = tuple(func_args)
+
+
+def _traced_for_detection(func, func_args: tuple):
+    """``(closed jaxpr, output tree)`` of ``func``, prepared for matching: unused results
+    dropped (`kfacx._jaxpr.dce`), shape operations hoisted out of scans moved back in
+    (`kfacx._jaxpr.sink_invariants`), and what that left unused dropped."""
     closed, out_shape = jax.make_jaxpr(func, return_shape=True)(*_specs(func_args))
     closed = _jaxpr.dce(_jaxpr.sink_invariants(_jaxpr.dce(closed)))
-    path_leaves, _ = jax.tree_util.tree_flatten_with_path(func_args[params_index])
-    paths = [path_to_str(p) for p, _ in path_leaves]
-    check_float_params(paths, [leaf for _, leaf in path_leaves])
-    start = sum(len(jax.tree_util.tree_leaves(a)) for a in func_args[:params_index])
-    origins = [
-        i - start if 0 <= i - start < len(paths) else None for i in range(len(closed.jaxpr.invars))
-    ]
+    return closed, jax.tree_util.tree_structure(out_shape)
 
-    manual = _tagged_leaves(closed.jaxpr, origins)
-    claims = _manual_claims(closed.jaxpr, origins)
+
+def _detect(jaxpr, origins, patterns: list[GraphPattern], paths: list[str]):
+    """``(plan, notes)``: the matches of ``patterns`` (parameters tagged by hand are kept
+    as they are) and the notes for the user, with parameter paths, without repeats.
+
+    Raises:
+      ValueError: if two patterns of equal precedence match one layer.
+    """
     raw_notes: list[tuple[str, tuple[int, ...]]] = []
     try:
-        plan = _plan(closed.jaxpr, origins, list(graph_patterns), claims, raw_notes)
+        plan = _plan(jaxpr, origins, patterns, _manual_claims(jaxpr, origins), raw_notes)
     except AmbiguousPatternsError as e:
         raise ValueError(f"{e} Parameters: {[paths[i] for i in e.leaves]}.") from e
-    notes = tuple(
-        dict.fromkeys(f"{text}: {[paths[i] for i in leaves]}" for text, leaves in raw_notes)
-    )
-    for note in notes:
-        _warn(f"kfacx: {note}")
+    notes = dict.fromkeys(f"{text}: {[paths[i] for i in leaves]}" for text, leaves in raw_notes)
+    return plan, tuple(notes)
+
+
+def _sources(manual, plan: _Plan) -> dict[int, str]:
+    """Parameter leaf -> what tagged it: ``"manual"`` (``manual``: the leaves tagged by hand),
+    or the names of the patterns that matched it, joined by ``+``."""
     sources = {leaf: "manual" for leaf in manual}
     for m in plan.all_matches():
         for leaf in m.param_leaves:
             names = sources[leaf].split("+") if sources.get(leaf, "manual") != "manual" else []
             sources[leaf] = "+".join(dict.fromkeys([*names, m.pattern.name]))
+    return sources
+
+
+def _check_unmatched(paths: list[str], sources: dict[int, str], on_unmatched: str) -> list[str]:
+    """The paths of the parameters nothing tagged; raises or warns as ``on_unmatched`` says."""
     unmatched = [p for i, p in enumerate(paths) if i not in sources]
     if unmatched and on_unmatched == "error":
         raise ValueError(
@@ -311,13 +341,14 @@ def auto_register_tags(
             f"kfacx: no layer pattern matched parameters {unmatched}; they get a diagonal "
             "block. Pass on_unmatched='error' to make this an error, or 'full' for a full block."
         )
-    out_tree = jax.tree_util.tree_structure(out_shape)
-    unmatched_leaves = {i for i, p in enumerate(paths) if i not in sources}
-    tagged = _tagged_function(closed, out_tree, plan, origins, unmatched_leaves)
-    # The report follows the tags of the tagged function, in evaluation order.
+    return unmatched
+
+
+def _entries(tagged, func_args, origins, paths, sources) -> tuple[RegistrationEntry, ...]:
+    """The report's entries, which follow the tags of the tagged function (evaluation order)."""
     tagged_jaxpr = jax.make_jaxpr(tagged)(*_specs(func_args)).jaxpr
     final = _tagged_leaves(tagged_jaxpr, origins)
-    entries = tuple(
+    return tuple(
         RegistrationEntry(
             path,
             *final[i][:2],
@@ -328,7 +359,6 @@ def auto_register_tags(
         )
         for i, path in enumerate(paths)
     )
-    return tagged, RegistrationReport(entries, tuple(unmatched), notes)
 
 
 def _manual_claims(jaxpr, origins) -> dict[int, tuple]:
