@@ -6,8 +6,7 @@ import dataclasses
 
 import pytest
 
-from kfacx.graph_matcher import RegistrationReport
-from kfacx.graph_matcher._report import RegistrationEntry
+from kfacx.graph_matcher import RegistrationEntry, RegistrationReport
 
 ENTRIES = (
     RegistrationEntry("embed/table", "tied(embedding_tag, dense_tag)", 0, "manual", uses=2),
