@@ -382,22 +382,13 @@ def _tagged_leaves(jaxpr, origins) -> dict[int, tuple[str, int, int, int | None,
     out: dict[int, list] = {}
     kinds: dict[int, list[tuple]] = {}  # leaf -> (tag, meta) of each kind of use
     layer = 0
-    for eqn, ins, scans, branches in _jaxpr.tag_sites(jaxpr, origins):
-        tag = tags.layer_tag_for(eqn.primitive)
+    for site in _jaxpr.tag_sites(jaxpr, origins):
+        tag = tags.layer_tag_for(site.eqn.primitive)
         if tag is None:
             continue
-        params = [o for o in tag.split(ins)[2] if o is not None]
-        leaves = [_jaxpr.leaf_origin(o) for o in params]
-        levels = {level for o in params for level in _jaxpr.slice_levels(o)}
-        lengths = [int(scan.params["length"]) for scan in scans]
-        stacked, length = bool(levels), (lengths[min(levels)] if levels else None)
-        uses = math.prod(n for i, n in enumerate(lengths) if i not in levels)
-        shapes = [v.aval.shape for v in tag.split(eqn.invars)[2]]
-        if tags.stacked_input_axis(tag.name, eqn.params, shapes) is not None:
-            stacked, length = True, int(shapes[0][0])  # a stacked dense layer (batch dims)
-        kind = (tag.name, tuple(sorted(eqn.params.items())))
+        leaves, uses, size, kind = _use_summary(tag, site)
+        in_branch = bool(site.branches)
         known = [o for o in leaves if o in out]
-        size, in_branch = (length if stacked else None), bool(branches)
         if not known:
             out.update({o: [tag.name, layer, uses, size, in_branch] for o in leaves})
             kinds.update({o: [kind] for o in leaves})
@@ -414,6 +405,23 @@ def _tagged_leaves(jaxpr, origins) -> dict[int, tuple[str, int, int, int | None,
             if len(kinds[o]) > 1:
                 out[o][0] = f"tied({', '.join(name for name, _ in kinds[o])})"
     return {o: tuple(v) for o, v in out.items()}
+
+
+def _use_summary(tag: tags.LayerTag, site: _jaxpr.TagSite) -> tuple[list, int, int | None, tuple]:
+    """``(parameter leaves, uses, stack size or None, kind)`` of one layer tag site: its
+    iterations in scans that do not run over its parameters are uses; a scan over them,
+    or a batch dimension over the weight's leading axis, makes it stacked."""
+    params = [o for o in tag.split(site.origins)[2] if o is not None]
+    levels = {level for o in params for level in _jaxpr.slice_levels(o)}
+    lengths = [int(scan.params["length"]) for scan in site.scans]
+    stacked, length = bool(levels), (lengths[min(levels)] if levels else None)
+    uses = math.prod(n for i, n in enumerate(lengths) if i not in levels)
+    shapes = [v.aval.shape for v in tag.split(site.eqn.invars)[2]]
+    if tags.stacked_input_axis(tag.name, site.eqn.params, shapes) is not None:
+        stacked, length = True, int(shapes[0][0])  # a stacked dense layer (batch dims)
+    kind = (tag.name, tuple(sorted(site.eqn.params.items())))
+    leaves = [_jaxpr.leaf_origin(o) for o in params]
+    return leaves, uses, (length if stacked else None), kind
 
 
 def _tagged_function(closed, out_tree, plan: _Plan, origins, unmatched_leaves: set[int]):
