@@ -13,26 +13,35 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from kfacx import _jaxpr, losses, tags
-from kfacx._paths import check_float_params, path_to_str
-from kfacx.blocks import TIED_TAG, LayerInfo
+from kfacx import _jaxpr, _layer_info, _tied_layers, losses, tags
+from kfacx._layer_data import LayerTagsVjp
+from kfacx._paths import (
+    checked_param_paths,
+    param_leaf_range,
+    param_origins,
+    path_to_str,  # noqa: F401  (kfacx.tracer.path_to_str, as before)
+)
+from kfacx.blocks import LayerInfo
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class TracedFunction:
     """A traced loss function: its jaxpr and the layer and loss tags found in it.
 
+    Built by `trace`, with keywords only (no code depends on the order of the fields).
+
     Attributes:
       closed_jaxpr: the jaxpr of ``func(*func_args)``.
+      in_tree: the pytree structure of ``func_args``.
+      out_tree: the pytree structure of ``func``'s output.
       params_index: which positional argument holds the parameters.
+      params_tree: the pytree structure of the parameters.
       param_paths: the path of every parameter leaf.
       layers: a `kfacx.blocks.LayerInfo` per layer tag, in evaluation order.
       layer_param_leaves: for every layer, the parameter-leaf indices of its params.
@@ -105,11 +114,6 @@ def shape_key(func_args: Sequence[Any]) -> tuple:
     return tree, tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves)
 
 
-def _param_leaf_range(func_args: Sequence[Any], params_index: int) -> tuple[int, int]:
-    before = sum(len(jax.tree_util.tree_leaves(a)) for a in func_args[:params_index])
-    return before, before + len(jax.tree_util.tree_leaves(func_args[params_index]))
-
-
 def trace(
     func: Callable[..., Any], func_args: Sequence[Any], params_index: int = 0
 ) -> TracedFunction:
@@ -132,242 +136,98 @@ def trace(
         raise ValueError(
             f"params_index={params_index} is out of range for {len(func_args)} arguments."
         )
-    specs = jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), func_args
-    )
-    closed, out_shape = jax.make_jaxpr(func, return_shape=True)(*specs)
-    closed = _jaxpr.dce(closed)
-    in_tree = jax.tree_util.tree_structure(func_args)
-    path_leaves, params_tree = jax.tree_util.tree_flatten_with_path(func_args[params_index])
-    param_paths = tuple(path_to_str(p) for p, _ in path_leaves)
-    check_float_params(param_paths, [leaf for _, leaf in path_leaves])
-    start, stop = _param_leaf_range(func_args, params_index)
-    origins = [i - start if start <= i < stop else None for i in range(len(closed.jaxpr.invars))]
-
-    layers, leaves_of, use_to_layer, use_outputs, num_losses = [], [], [], [], 0
-    use_roles: list[int] = []
-    site_uses: list[int | None] = []
-    scan_lengths: list[tuple[int, ...]] = []
-    stacked_levels: list[int | None] = []
-    owner: dict[int, int] = {}
-    conditional: list[bool] = []
-    for eqn, ins, scans, branches in _jaxpr.tag_sites(closed.jaxpr, origins):
-        tag = tags.layer_tag_for(eqn.primitive)
-        if tag is None:
-            if scans or branches:
-                raise _loss_in_loop_or_branch(eqn, "a `scan`" if scans else "a `cond` branch")
-            num_losses += 1
-            site_uses.append(None)
-            continue
-        conditional.append(bool(branches))
-        info, leaf_ids = _layer_info(tag, eqn, ins, param_paths)
-        info, lengths, level = _scan_layer_info(info, tag.split(ins)[2], scans)
-        lead = lengths
-        use_outputs.append(
-            tuple((lead + v.aval.shape, v.aval.dtype) for v in tag.split(eqn.invars)[0])
-        )
-        site_uses.append(len(use_to_layer))
-        scan_lengths.append(lengths)
-        stacked_levels.append(level)
-        shared = {owner[leaf] for leaf in leaf_ids if leaf in owner}
-        if shared:
-            index, role = _join_layer(shared, layers, leaves_of, info, leaf_ids)
-            owner.update({leaf: index for leaf in leaf_ids})
-            use_to_layer.append(index)
-            use_roles.append(role)
-            continue
-        owner.update({leaf: len(layers) for leaf in leaf_ids})
-        use_to_layer.append(len(layers))
-        use_roles.append(0)
-        layers.append(info)
-        leaves_of.append(leaf_ids)
-    if num_losses == 0:
+    closed, out_tree = _make_jaxpr(func, func_args)
+    param_paths = checked_param_paths(func_args[params_index])
+    uses = _Uses(param_paths)
+    origins = param_origins(func_args, params_index, len(closed.jaxpr.invars))
+    for site in _jaxpr.tag_sites(closed.jaxpr, origins):
+        uses.add(site)
+    if uses.num_losses == 0:
         raise ValueError(
             "The function registers no loss. Call e.g. kfacx.register_softmax_cross_entropy_loss("
             "logits, labels) on the model output inside the loss function."
         )
     return TracedFunction(
-        closed,
-        in_tree,
-        jax.tree_util.tree_structure(out_shape),
-        params_index,
-        params_tree,
-        param_paths,
-        tuple(layers),
-        tuple(leaves_of),
-        tuple(use_to_layer),
-        tuple(use_outputs),
-        num_losses,
-        tuple(site_uses),
-        tuple(scan_lengths),
-        tuple(stacked_levels),
-        tuple(use_roles),
-        tuple(conditional),
+        closed_jaxpr=closed,
+        in_tree=jax.tree_util.tree_structure(func_args),
+        out_tree=out_tree,
+        params_index=params_index,
+        params_tree=jax.tree_util.tree_structure(func_args[params_index]),
+        param_paths=param_paths,
+        **uses.fields(),
     )
 
 
-def _same_kind(first: LayerInfo, first_leaves, info: LayerInfo, leaf_ids) -> bool:
-    """Whether two tags are the same layer applied twice (one block folds their uses)."""
-    k = 1 if info.stack_size is None else 2  # per-example shapes: after [batch] or [L, batch]
-    return (
-        tuple(first_leaves) == tuple(leaf_ids)
-        and first.tag_name == info.tag_name
-        and first.stack_size == info.stack_size
-        and dict(first.meta) == dict(info.meta)
-        and [s[k:] for s in first.input_shapes] == [s[k:] for s in info.input_shapes]
-        and [s[k:] for s in first.output_shapes] == [s[k:] for s in info.output_shapes]
+def _make_jaxpr(func: Callable[..., Any], func_args: tuple) -> tuple[Any, Any]:
+    """``(closed jaxpr, output tree)`` of ``func`` on the shapes of ``func_args``, without
+    the equations whose results are unused (`kfacx._jaxpr.dce`)."""
+    specs = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), func_args
     )
+    closed, out_shape = jax.make_jaxpr(func, return_shape=True)(*specs)
+    return _jaxpr.dce(closed), jax.tree_util.tree_structure(out_shape)
 
 
-def _join_layer(shared: set[int], layers, leaves_of, info: LayerInfo, leaf_ids) -> tuple[int, int]:
-    """Adds a tag that shares parameters with an earlier layer: ``(layer, role)``.
+@dataclasses.dataclass
+class _Uses:
+    """The layers and uses of the tag sites seen so far, as `TracedFunction` lists them."""
 
-    The same kind of layer on the same parameters is one more use of it (tied
-    weights of one kind); another kind makes the layer a tied one (pseudo tag
-    ``"tied"``, one role per kind, served by `kfacx.blocks.TiedKroneckerFactored`
-    by default), updated in ``layers`` and ``leaves_of``.
-    """
-    if len(shared) > 1:
-        paths = [p for i in sorted(shared) for p in layers[i].parameter_paths]
-        raise ValueError(
-            f"Layer {info.name} shares parameters with several other layer tags ({paths}); "
-            "one block serves one group of shared parameters. Tag the shared parameters once, "
-            "or with kfacx.register_generic."
-        )
-    (index,) = shared
-    first = layers[index]
-    roles = first.roles or (first,)
-    role_params = first.role_params or (tuple(range(len(leaves_of[index]))),)
-    for r, (role, positions) in enumerate(zip(roles, role_params, strict=True)):
-        if _same_kind(role, [leaves_of[index][i] for i in positions], info, leaf_ids):
-            role = dataclasses.replace(role, num_uses=role.num_uses + info.num_uses)
-            roles = roles[:r] + (role,) + roles[r + 1 :]
-            if first.roles:
-                layers[index] = dataclasses.replace(first, roles=roles)
-            else:
-                layers[index] = role
-            return index, r
-    leaves = list(leaves_of[index]) + [i for i in leaf_ids if i not in leaves_of[index]]
-    roles += (info,)
-    role_params += (tuple(leaves.index(i) for i in leaf_ids),)
-    shapes, paths, dtypes = {}, {}, {}
-    for role, positions in zip(roles, role_params, strict=True):
-        for j, pos in enumerate(positions):
-            shapes[pos] = tuple(role.parameter_shapes[j])
-            paths[pos] = role.parameter_paths[j]
-            dtypes[pos] = role.parameter_dtypes[j]
-    layers[index] = LayerInfo(
-        tag_name=TIED_TAG,
-        parameter_paths=tuple(paths[i] for i in range(len(leaves))),
-        parameter_shapes=tuple(shapes[i] for i in range(len(leaves))),
-        parameter_dtypes=tuple(dtypes[i] for i in range(len(leaves))),
-        roles=roles,
-        role_params=role_params,
-    )
-    leaves_of[index] = tuple(leaves)
-    return index, len(roles) - 1
+    param_paths: tuple[str, ...]
+    layers: list[LayerInfo] = dataclasses.field(default_factory=list)
+    layer_param_leaves: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
+    use_to_layer: list[int] = dataclasses.field(default_factory=list)
+    use_outputs: list[tuple] = dataclasses.field(default_factory=list)
+    num_losses: int = 0
+    site_uses: list[int | None] = dataclasses.field(default_factory=list)
+    use_scan_lengths: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
+    use_stacked_level: list[int | None] = dataclasses.field(default_factory=list)
+    use_roles: list[int] = dataclasses.field(default_factory=list)
+    use_conditional: list[bool] = dataclasses.field(default_factory=list)
+    owner: dict[int, int] = dataclasses.field(default_factory=dict)  # parameter leaf -> layer
 
+    def add(self, site: _jaxpr.TagSite) -> None:
+        """Adds the next tag site (in evaluation order)."""
+        tag = tags.layer_tag_for(site.eqn.primitive)
+        if tag is not None:
+            self._add_use(tag, site)
+            return
+        if site.scans or site.branches:
+            where = "a `scan`" if site.scans else "a `cond` branch"
+            raise _loss_in_loop_or_branch(site.eqn, where)
+        self.num_losses += 1
+        self.site_uses.append(None)
 
-def _layer_info(tag, eqn, ins, param_paths) -> tuple[LayerInfo, tuple[int, ...]]:
-    outputs, inputs, params = tag.split(eqn.invars)
-    _, _, param_origins = tag.split(ins)
-    bad = [i for i, o in enumerate(param_origins) if o is None]
-    if bad:
-        raise ValueError(
-            f"Layer tag {tag.name!r}: parameter operand {bad[0]} is computed inside the function "
-            "(or is a constant), not a leaf of the parameters. Pass the parameter array itself "
-            "to the register_* call."
-        )
-    leaf_ids = tuple(_jaxpr.leaf_origin(o) for o in param_origins)
-    info = LayerInfo(
-        tag_name=tag.name,
-        parameter_paths=tuple(param_paths[i] for i in leaf_ids),
-        parameter_shapes=tuple(tuple(v.aval.shape) for v in params),
-        parameter_dtypes=tuple(v.aval.dtype for v in params),
-        input_shapes=tuple(tuple(v.aval.shape) for v in inputs),
-        output_shapes=tuple(tuple(v.aval.shape) for v in outputs),
-        meta=dict(eqn.params),
-        compute=tag.compute,
-    )
-    axis = tags.stacked_input_axis(tag.name, eqn.params, info.parameter_shapes)
-    if axis is not None:
-        # A stacked dense layer (a batch dimension over the weight's leading axis): the
-        # slices are separate layers, described like those of a scan over parameters.
-        (x_shape,) = info.input_shapes
-        moved = (x_shape[axis],) + x_shape[:axis] + x_shape[axis + 1 :]
-        info = dataclasses.replace(
-            info,
-            input_shapes=(moved,),
-            meta=tags.dense_slice_meta(eqn.params["dimension_numbers"]),
-            stack_size=int(info.parameter_shapes[0][0]),
-        )
-    return info, leaf_ids
+    def _add_use(self, tag: tags.LayerTag, site: _jaxpr.TagSite) -> None:
+        eqn, ins = site.eqn, site.origins
+        self.use_conditional.append(bool(site.branches))
+        info, leaf_ids = _layer_info.layer_info(tag, eqn, ins, self.param_paths)
+        info, lengths, level = _layer_info.scan_layer_info(info, tag.split(ins)[2], site.scans)
+        outputs = tag.split(eqn.invars)[0]
+        self.use_outputs.append(tuple((lengths + v.aval.shape, v.aval.dtype) for v in outputs))
+        self.site_uses.append(len(self.use_to_layer))
+        self.use_scan_lengths.append(lengths)
+        self.use_stacked_level.append(level)
+        layer, role = self._layer_of(info, leaf_ids)
+        self.owner.update({leaf: layer for leaf in leaf_ids})
+        self.use_to_layer.append(layer)
+        self.use_roles.append(role)
 
+    def _layer_of(self, info: LayerInfo, leaf_ids: tuple[int, ...]) -> tuple[int, int]:
+        """``(layer, role)`` of a new use: the earlier layer it shares parameters with
+        (`kfacx._tied_layers.join_layer`), else a new layer."""
+        shared = {self.owner[leaf] for leaf in leaf_ids if leaf in self.owner}
+        if shared:
+            leaves_of = self.layer_param_leaves
+            return _tied_layers.join_layer(shared, self.layers, leaves_of, info, leaf_ids)
+        self.layers.append(info)
+        self.layer_param_leaves.append(leaf_ids)
+        return len(self.layers) - 1, 0
 
-def _scan_layer_info(
-    info: LayerInfo, param_origins, scans
-) -> tuple[LayerInfo, tuple[int, ...], int | None]:
-    """A layer tag inside (nested) `lax.scan`s: ``(LayerInfo, scan lengths, stacked level)``.
-
-    Parameters a scan runs over (``xs``, e.g. `hk.layer_stack`) make a stacked
-    layer (shapes with the leading layer axis, ``stack_size`` set; the level is
-    that scan's index among ``scans``); the iterations of the other scans, which
-    close over the parameters (``consts``), are uses of one layer (``num_uses``
-    = the product of their lengths). Outside scans: ``(info, (), None)``.
-
-    Raises:
-      ValueError: for parameters stacked by two scans, by different scans, or
-        stacked and shared in one layer.
-    """
-    if not scans:
-        return info, (), None
-    if info.stack_size is not None:
-        raise ValueError(
-            f"Layer {info.name} is a stacked dense layer (a batch dimension over its weight's "
-            "leading axis) inside a `scan`; kfacx serves one level of stacking. Move the "
-            "layer out of the scan, or scan over the slices instead of batching them."
-        )
-    lengths = tuple(int(scan.params["length"]) for scan in scans)
-    levels = [_jaxpr.slice_levels(o) for o in param_origins]
-    if any(len(lv) > 1 for lv in levels):
-        raise ValueError(
-            f"Layer {info.name} sits in nested `scan`s that both run over its parameters (two "
-            "levels of stacking); kfacx serves one. Flatten the two stacked axes into one "
-            "scan, or unroll one of the loops."
-        )
-    stacked = [bool(lv) for lv in levels]
-    if any(stacked) and not all(stacked) or len(set(levels)) > 1:
-        sliced = [p for p, s in zip(info.parameter_paths, stacked, strict=True) if s]
-        closed = [p for p, s in zip(info.parameter_paths, stacked, strict=True) if not s]
-        raise ValueError(
-            f"Layer {info.name} inside a `scan` takes parameters {sliced} as scanned-over inputs "
-            f"(xs: one slice per iteration) and {closed} as closed-over constants (the same at "
-            "every iteration), or slices of different scans. kfacx serves a layer in a scan "
-            "when all its parameters are stacked by one scan (like hk.layer_stack) or all are "
-            "shared: scan over all of them, or close over all of them (or split the layer into "
-            "two registered layers)."
-        )
-    level = levels[0][0] if levels and levels[0] else None
-    folded = math.prod(n for i, n in enumerate(lengths) if i != level)
-    info = dataclasses.replace(info, num_uses=info.num_uses * folded)
-    if level is None:
-        return info, lengths, None
-    size = lengths[level]
-
-    def stack(shapes):
-        return tuple((size, *s) for s in shapes)
-
-    return (
-        dataclasses.replace(
-            info,
-            parameter_shapes=stack(info.parameter_shapes),
-            input_shapes=stack(info.input_shapes),
-            output_shapes=stack(info.output_shapes),
-            stack_size=size,
-        ),
-        lengths,
-        level,
-    )
+    def fields(self) -> dict[str, Any]:
+        """The `TracedFunction` fields collected here."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        lists = {name: tuple(v) for name, v in values.items() if isinstance(v, list)}
+        return dict(lists, num_losses=self.num_losses)
 
 
 def _loss_in_loop_or_branch(eqn, where: str) -> ValueError:
@@ -453,191 +313,6 @@ def _zero_perturbations(traced: TracedFunction) -> tuple:
     return tuple(tuple(jnp.zeros(s, d) for s, d in outs) for outs in traced.use_outputs)
 
 
-class LayerTagsVjp:
-    """The vjp returned by `layer_tags_vjp`: loss cotangents -> per-layer estimation data."""
-
-    def __init__(self, tangents_fn, records, use_to_layer, use_scans=None, roles=None):
-        self._tangents_fn = tangents_fn
-        self._records = records
-        self._use_to_layer = use_to_layer
-        # Per use: (lengths of the scans it sits in, the level of the one stacking it or None).
-        self._use_scans = tuple(use_scans or (((), None),) * len(records))
-        # Per use: its role in a tied layer, or None for an ordinary layer.
-        self._roles = tuple(roles or (None,) * len(records))
-
-    def tangents(self, loss_cotangents: Sequence[jax.Array]) -> tuple[tuple[jax.Array, ...], ...]:
-        """The cotangents of every layer's outputs (without the layer data)."""
-        return self._tangents_fn(tuple(loss_cotangents))
-
-    def _data(self, tangents, batch_axis: int, example_mask) -> tuple[dict, ...]:
-        uses: dict[int, dict[int | None, list[dict]]] = {}
-        stacked: dict[int, bool] = {}
-        coverage: dict[int, list] = {}  # layer -> how much of the batch each use ran on
-        for rec, t, layer, (lengths, level), role in zip(
-            self._records, tangents, self._use_to_layer, self._use_scans, self._roles, strict=True
-        ):
-            use, ran = _fold_scans(
-                dict(rec, outputs_tangent=tuple(t)), batch_axis, lengths, level, example_mask
-            )
-            coverage.setdefault(layer, []).append(ran)
-            uses.setdefault(layer, {}).setdefault(role, []).append(use)
-            stacked[layer] = level is not None
-
-        def layer_data(i):
-            folded = {
-                role: _fold_uses(role_uses, batch_axis, lead=int(stacked[i]))
-                for role, role_uses in sorted(uses[i].items(), key=lambda kv: kv[0] or 0)
-            }
-            data = folded[None] if None in folded else dict(roles=tuple(folded.values()))
-            if all(c is not None for c in coverage[i]):
-                data = dict(data, coverage=functools.reduce(jnp.maximum, coverage[i]))
-            return data
-
-        return tuple(layer_data(i) for i in range(len(uses)))
-
-    def __call__(
-        self, loss_cotangents: Sequence[jax.Array], example_mask: jax.Array | None = None
-    ) -> tuple[dict, ...]:
-        """Per layer: ``inputs``, ``outputs``, ``params`` and ``outputs_tangent``.
-
-        A layer applied at every iteration of a `lax.scan` with the same
-        parameters has its iterations folded into the batch axis. A stacked
-        layer (`kfacx.blocks.LayerInfo.stack_size`) keeps the layer axis in
-        front: ``inputs`` / ``outputs`` / ``params`` ``[L, ...]``,
-        ``outputs_tangent`` ``[L, ...]`` (``[samples, L, ...]`` in `sampled`).
-
-        A layer used only inside `lax.cond` / `lax.switch` branches runs only
-        when its branch is taken. Its uses that did not run have zero data and
-        a zero ``"mask"`` (so they count as padding), and its data has a
-        ``"coverage"``: 1 if any use ran, else 0 (per slice ``[L]`` for a
-        stacked layer, e.g. stochastic depth inside `hk.layer_stack`). The
-        estimator leaves the moving averages of a layer that did not run as
-        they are (see `kfacx.CurvatureStats`).
-
-        Args:
-          loss_cotangents: one array per registered loss, shaped like its prediction.
-          example_mask: optional per-example weights ``[batch]``; passed on to
-            the blocks as ``"mask"`` (the caller masks the cotangents).
-        """
-        return self._data(self.tangents(loss_cotangents), 0, example_mask)
-
-    def sampled(
-        self, loss_cotangents: Sequence[jax.Array], example_mask: jax.Array | None = None
-    ) -> tuple[dict, ...]:
-        """As `__call__`, for cotangents with a leading samples axis; every
-        ``outputs_tangent`` then has that leading axis too."""
-        loss_cotangents = tuple(loss_cotangents)
-        if all(c.shape[0] == 1 for c in loss_cotangents):
-            # One sample: a plain backward pass (a vmap of size 1 turns every matmul
-            # into a batched one, which is much slower on CPU).
-            single = self.tangents(tuple(c[0] for c in loss_cotangents))
-            tangents = jax.tree_util.tree_map(lambda t: t[None], single)
-        else:
-            tangents = jax.vmap(self.tangents)(loss_cotangents)
-        return self._data(tangents, 1, example_mask)
-
-
-def _fold_scans(use: dict, batch_axis: int, lengths, level, example_mask) -> tuple[dict, Any]:
-    """A use's data with the iterations of the scans it sits in folded: ``(use, ran)``.
-
-    Inputs and outputs are ``[*lengths, batch, ...]`` (the cotangents have
-    ``batch_axis`` axes before). The axis of the scan at ``level`` (the one
-    running over the parameters of a stacked layer) moves in front; the other
-    iterations are folded into the batch axis that follows, iteration-major,
-    with the example mask repeated for every iteration. For a generic tag (its
-    cotangent is the parameter gradient) the folded iterations are summed.
-
-    A use inside cond branches has an ``"active"`` flag (per iteration): its
-    mask is the example mask (ones without one) times the flag, so that the
-    iterations that did not run count as padding, and ``ran`` is the flag's
-    maximum (per slice ``[L]`` for a stacked layer), else None.
-    """
-    use = dict(use)
-    active = use.pop("active", None)
-    ran = None
-    if active is not None:
-        active = jnp.broadcast_to(jnp.asarray(active, jnp.float32), lengths)
-        others = tuple(i for i in range(len(lengths)) if i != level)
-        ran = jnp.max(active, axis=others) if others else active
-    folded = [i for i in range(len(lengths)) if i != level]
-
-    def fold(a, offset):
-        if level is not None:
-            a = jnp.moveaxis(a, offset + level, offset)
-        start = offset + (level is not None)
-        count = len(folded) + 1  # the folded iterations and the batch axis
-        merged = math.prod(a.shape[start : start + count])
-        return a.reshape(a.shape[:start] + (merged,) + a.shape[start + count :])
-
-    if not use["inputs"]:
-        # A generic tag: sum the folded iterations' cotangents (parameter gradients).
-        # (What remains of the scan axes is the stacked one, right after the samples axis.)
-        axes = tuple(batch_axis + i for i in folded)
-        tangents = tuple(jnp.sum(t, axis=axes) for t in use["outputs_tangent"])
-        if example_mask is not None:
-            use["mask"] = example_mask
-        return dict(use, outputs=use["params"], outputs_tangent=tangents), ran
-    batch = use["outputs"][0].shape[len(lengths)]
-    repeats = math.prod(lengths[i] for i in folded)
-    if active is not None:
-        base = jnp.ones((batch,), jnp.float32) if example_mask is None else example_mask
-        base = jnp.asarray(base, jnp.float32).reshape((1,) * len(lengths) + (batch,))
-        mask = fold(active[..., None] * base, 0)
-    elif example_mask is not None:
-        mask = jnp.tile(example_mask, repeats) if repeats > 1 else example_mask
-    else:
-        mask = None
-    out = dict(
-        use,
-        inputs=tuple(fold(a, 0) for a in use["inputs"]),
-        outputs=tuple(fold(a, 0) for a in use["outputs"]),
-        outputs_tangent=tuple(fold(a, batch_axis) for a in use["outputs_tangent"]),
-    )
-    if mask is not None:
-        out["mask"] = mask
-    return out, ran
-
-
-def _fold_uses(uses: list[dict], batch_axis: int, lead: int = 0) -> dict:
-    """Merges the data of a layer's uses: inputs, outputs, cotangents (and masks) are
-    concatenated along the batch axis (for a generic tag, whose cotangent is the
-    parameter gradient, the cotangents of the uses are summed). ``lead`` axes
-    (the layer axis of a stacked layer) come before the batch axis."""
-    if len(uses) == 1:
-        return uses[0]
-
-    def cat(key, axis):
-        return tuple(
-            jnp.concatenate(arrays, axis) for arrays in zip(*(u[key] for u in uses), strict=True)
-        )
-
-    if not uses[0]["inputs"]:
-        tangents = tuple(sum(ts) for ts in zip(*(u["outputs_tangent"] for u in uses), strict=True))
-        return dict(uses[0], outputs_tangent=tangents)
-    folded = dict(
-        inputs=cat("inputs", lead),
-        outputs=cat("outputs", lead),
-        params=uses[0]["params"],
-        outputs_tangent=cat("outputs_tangent", batch_axis + lead),
-    )
-    if any("mask" in u for u in uses):
-        folded["mask"] = _fold_masks(uses, lead)
-    return folded
-
-
-def _fold_masks(uses: list[dict], lead: int) -> jax.Array:
-    """The masks of a layer's uses, concatenated along the batch axis (ones for a use
-    without one; per-slice ``[L, batch]`` if one use has per-slice masks)."""
-    per_slice = any(u.get("mask") is not None and u["mask"].ndim == 2 for u in uses)
-    masks = []
-    for u in uses:
-        shape = u["outputs"][0].shape[: lead + 1]
-        mask = u.get("mask")
-        mask = jnp.ones(shape[-1:], jnp.float32) if mask is None else mask
-        masks.append(jnp.broadcast_to(mask, shape) if per_slice else mask)
-    return jnp.concatenate(masks, axis=-1)
-
-
 def _use_roles(traced: TracedFunction) -> tuple[int | None, ...]:
     """Per use: its role if its layer is a tied one, else None."""
     return tuple(
@@ -715,7 +390,7 @@ def value_and_grad_and_layer_tags_vjp(
     """
     traced = trace_cached(func, func_args, params_index)
     flat_args = jax.tree_util.tree_leaves(tuple(func_args))
-    start, stop = _param_leaf_range(func_args, params_index)
+    start, stop = param_leaf_range(func_args, params_index)
 
     def forward(param_leaves, perturbations):
         args = [*flat_args[:start], *param_leaves, *flat_args[stop:]]
@@ -747,7 +422,7 @@ def value_and_grad_and_layer_tags_vjp(
 
 def _predictions_of_params(traced: TracedFunction, func_args: Sequence[Any]):
     flat_args = jax.tree_util.tree_leaves(tuple(func_args))
-    start, stop = _param_leaf_range(func_args, traced.params_index)
+    start, stop = param_leaf_range(func_args, traced.params_index)
     zeros = _zero_perturbations(traced)
 
     def predictions(params):

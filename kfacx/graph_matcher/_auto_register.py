@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kfacx import _jaxpr, tags
-from kfacx._paths import check_float_params, path_to_str
+from kfacx._paths import checked_param_paths, param_origins
 from kfacx.graph_matcher._defaults import DEFAULT_GRAPH_PATTERNS
 from kfacx.graph_matcher._match import MANUAL, AmbiguousPatternsError, Match, find_matches
 from kfacx.graph_matcher._pattern import GraphPattern
@@ -37,16 +37,17 @@ def _warn(message: str) -> None:
 
 @dataclasses.dataclass
 class _Plan:
-    """Matches of one jaxpr level, and of the bodies below it (by equation index): the
-    plan of a call or scan body, or a tuple of plans, one per branch of a cond."""
+    """Matches of one jaxpr level, and the plans of the bodies below it: by equation (its
+    ``id``), one plan per body the equation runs (`kfacx._jaxpr.bodies`: one for a call
+    or scan body, one per branch of a cond)."""
 
     matches: list[Match]
-    children: dict[int, _Plan | tuple[_Plan, ...]]
+    children: dict[int, tuple[_Plan, ...]]
 
     def all_matches(self) -> list[Match]:
         out = list(self.matches)
-        for child in self.children.values():
-            for plan in child if isinstance(child, tuple) else (child,):
+        for plans in self.children.values():
+            for plan in plans:
                 out.extend(plan.all_matches())
         return out
 
@@ -55,52 +56,46 @@ class _Plan:
         return not (self.matches or self.children)
 
 
-def _plan(jaxpr, origins, patterns, claims: dict[int, tuple], notes: list, depth=0) -> _Plan:
+def _plan(jaxpr, origins, patterns, claims: dict, notes: list, depth: int = 0) -> _Plan:
     """Matches in ``jaxpr`` and, recursively, in call bodies, cond branches and (nested)
     scan bodies; ``depth`` counts the scans around ``jaxpr``.
 
-    Inside a scan body, parameters closed over (consts) keep their leaf index and
-    scanned-over ones (xs) are labelled `kfacx._jaxpr.ScanSlice` (stacked layers).
-    A cond branch sees the labels of the cond's operands after the index.
+    Origins follow `kfacx._jaxpr.bodies`: inside a scan body, parameters closed over
+    (consts) keep their leaf index and scanned-over ones (xs) are labelled
+    `kfacx._jaxpr.ScanSlice` (stacked layers); a cond branch sees the labels of the
+    cond's operands after the index.
     """
     matches = find_matches(jaxpr, origins, patterns, claims, notes)
     if depth:
         matches = _without_stacked_dense(matches, notes)
-    env = dict(zip(jaxpr.invars, origins, strict=True))
     children = {}
-    for i, eqn in enumerate(jaxpr.eqns):
-        ins = [None if isinstance(v, jex.core.Literal) else env.get(v) for v in eqn.invars]
+    for eqn, ins in _jaxpr.eqns_with_origins(jaxpr, origins):
         if all(o is None for o in ins):
             continue
-        leaves = tuple(_jaxpr.leaf_origin(o) for o in ins if o is not None)
-        body = _jaxpr.call_body(eqn)
-        if body is not None:
-            child = _plan(body[0], ins, patterns, claims, notes, depth)
-        elif _jaxpr.is_cond(eqn):
-            child = tuple(
-                _plan(branch.jaxpr, ins[1:], patterns, claims, notes, depth)
-                for branch in eqn.params["branches"]
-            )
-            if all(plan.empty for plan in child):
-                continue
-        elif _jaxpr.is_scan(eqn):
-            _note_scan_carry(eqn, ins, notes)
-            body_origins = _jaxpr.scan_body_origins(eqn, ins, depth)
-            body = eqn.params["jaxpr"].jaxpr
-            child = _plan(body, body_origins, patterns, claims, notes, depth + 1)
-        else:
-            if any(True for _ in _jaxpr.sub_jaxprs(eqn)):
-                notes.append(
-                    (
-                        f"parameters enter a `{eqn.primitive.name}` primitive, which detection "
-                        "does not look into yet; those used only there get the fallback block",
-                        leaves,
-                    )
-                )
+        inner = _jaxpr.bodies(eqn, ins, depth)
+        if inner is None:
+            _note_unseen_body(eqn, ins, notes)
             continue
-        if isinstance(child, tuple) or not child.empty:
-            children[i] = child
+        if _jaxpr.is_scan(eqn):
+            _note_scan_carry(eqn, ins, notes)
+        plans = tuple(
+            _plan(b.jaxpr, b.origins, patterns, claims, notes, depth + (b.scan is not None))
+            for b in inner
+        )
+        if not all(plan.empty for plan in plans):
+            children[id(eqn)] = plans
     return _Plan(matches, children)
+
+
+def _note_unseen_body(eqn, ins, notes: list) -> None:
+    if any(True for _ in _jaxpr.sub_jaxprs(eqn)):
+        notes.append(
+            (
+                f"parameters enter a `{eqn.primitive.name}` primitive, which detection "
+                "does not look into yet; those used only there get the fallback block",
+                tuple(_jaxpr.leaf_origin(o) for o in ins if o is not None),
+            )
+        )
 
 
 def _without_stacked_dense(matches: list[Match], notes: list) -> list[Match]:
@@ -148,34 +143,36 @@ def _evaluate(jaxpr, consts, args, plan: _Plan):
     env: dict[Any, Any] = {}
     by_output = {id(m.output_var): m for m in plan.matches}
 
-    def read(v):
-        return v.val if isinstance(v, jex.core.Literal) else env[v]
+    def eval_eqn(eqn, invals):
+        plans = plan.children.get(id(eqn))
+        outvals = _jaxpr.bind_eqn(eqn, invals) if plans is None else _rebind(eqn, invals, plans)
+        return [
+            _tag_output(by_output.get(id(v)), val, env)
+            for v, val in zip(eqn.outvars, outvals, strict=True)
+        ]
 
-    for v, val in zip(jaxpr.constvars, consts, strict=True):
-        env[v] = val
-    for v, val in zip(jaxpr.invars, args, strict=True):
-        env[v] = val
-    for i, eqn in enumerate(jaxpr.eqns):
-        invals = [read(v) for v in eqn.invars]
-        if i in plan.children and eqn.primitive.name in _CUSTOM_DERIVATIVES:
-            outvals = _rebind_custom(eqn, invals, plan.children[i])
-        elif i in plan.children and _jaxpr.is_scan(eqn):
-            outvals = _rebind_scan(eqn, invals, plan.children[i])
-        elif i in plan.children and _jaxpr.is_cond(eqn):
-            outvals = _switch(eqn, invals, plan.children[i])
-        elif i in plan.children:
-            body, body_consts = _jaxpr.call_body(eqn)
-            outvals = _evaluate(body, body_consts, invals, plan.children[i])
-        else:
-            outvals = _jaxpr.bind_eqn(eqn, invals)
-        for v, val in zip(eqn.outvars, outvals, strict=True):
-            match = by_output.get(id(v))
-            if match is not None:
-                p = [read(u) for u in match.param_vars]
-                x = match.pattern.tag_inputs([read(u) for u in match.input_vars], p)
-                val = _bind_tag(match, val, x, p)
-            env[v] = val
-    return [read(v) for v in jaxpr.outvars]
+    return _jaxpr.eval_jaxpr(jaxpr, consts, args, eval_eqn, env)
+
+
+def _tag_output(match: Match | None, value, env):
+    """``value``, wrapped in the tag of ``match`` (its operands read from ``env``)."""
+    if match is None:
+        return value
+    params = [_jaxpr.read(env, u) for u in match.param_vars]
+    inputs = match.pattern.tag_inputs([_jaxpr.read(env, u) for u in match.input_vars], params)
+    return _bind_tag(match, value, inputs, params)
+
+
+def _rebind(eqn, invals, plans: tuple[_Plan, ...]):
+    """An equation whose bodies hold matches, evaluated with tagged bodies."""
+    if eqn.primitive.name in _CUSTOM_DERIVATIVES:
+        return _rebind_custom(eqn, invals, plans[0])
+    if _jaxpr.is_scan(eqn):
+        return _rebind_scan(eqn, invals, plans[0])
+    if _jaxpr.is_cond(eqn):
+        return _switch(eqn, invals, plans)
+    body, body_consts = _jaxpr.call_body(eqn)
+    return _evaluate(body, body_consts, invals, plans[0])
 
 
 def _bind_tag(match: Match, value, inputs, params):
@@ -269,40 +266,70 @@ def auto_register_tags(
       tagged, report = kfacx.graph_matcher.auto_register_tags(loss_fn, (params, batch))
       print(report)
     """
+    _check_arguments(graph_patterns, on_unmatched)
+    func_args = tuple(func_args)
+    closed, out_tree = _traced_for_detection(func, func_args)
+    paths = list(checked_param_paths(func_args[params_index]))
+    origins = param_origins(func_args, params_index, len(closed.jaxpr.invars))
+    manual = _tagged_leaves(closed.jaxpr, origins)
+    plan, notes = _detect(closed.jaxpr, origins, list(graph_patterns), paths)
+    for note in notes:
+        _warn(f"kfacx: {note}")
+    sources = _sources(manual, plan)
+    unmatched = _check_unmatched(paths, sources, on_unmatched)
+    unmatched_leaves = {i for i, p in enumerate(paths) if i not in sources}
+    tagged = _tagged_function(closed, out_tree, plan, origins, unmatched_leaves)
+    entries = _entries(tagged, func_args, origins, paths, sources)
+    return tagged, RegistrationReport(entries, tuple(unmatched), notes)
+
+
+def _check_arguments(graph_patterns: Sequence[GraphPattern], on_unmatched: str) -> None:
     if on_unmatched not in ON_UNMATCHED:
         raise ValueError(f"on_unmatched={on_unmatched!r}; choose one of {ON_UNMATCHED}.")
     for p in graph_patterns:
         if not isinstance(p, GraphPattern):
             raise TypeError(f"graph_patterns must hold GraphPattern objects, got {p!r}.")
         _ = p.jaxpr  # Fails early, with the pattern's name, if it does not trace.
-    func_args = tuple(func_args)
+
+
+def _traced_for_detection(func, func_args: tuple):
+    """``(closed jaxpr, output tree)`` of ``func``, prepared for matching: unused results
+    dropped (`kfacx._jaxpr.dce`), shape operations hoisted out of scans moved back in
+    (`kfacx._jaxpr.sink_invariants`), and what that left unused dropped."""
     closed, out_shape = jax.make_jaxpr(func, return_shape=True)(*_specs(func_args))
     closed = _jaxpr.dce(_jaxpr.sink_invariants(_jaxpr.dce(closed)))
-    path_leaves, _ = jax.tree_util.tree_flatten_with_path(func_args[params_index])
-    paths = [path_to_str(p) for p, _ in path_leaves]
-    check_float_params(paths, [leaf for _, leaf in path_leaves])
-    start = sum(len(jax.tree_util.tree_leaves(a)) for a in func_args[:params_index])
-    origins = [
-        i - start if 0 <= i - start < len(paths) else None for i in range(len(closed.jaxpr.invars))
-    ]
+    return closed, jax.tree_util.tree_structure(out_shape)
 
-    manual = _tagged_leaves(closed.jaxpr, origins)
-    claims = _manual_claims(closed.jaxpr, origins)
+
+def _detect(jaxpr, origins, patterns: list[GraphPattern], paths: list[str]):
+    """``(plan, notes)``: the matches of ``patterns`` (parameters tagged by hand are kept
+    as they are) and the notes for the user, with parameter paths, without repeats.
+
+    Raises:
+      ValueError: if two patterns of equal precedence match one layer.
+    """
     raw_notes: list[tuple[str, tuple[int, ...]]] = []
     try:
-        plan = _plan(closed.jaxpr, origins, list(graph_patterns), claims, raw_notes)
+        plan = _plan(jaxpr, origins, patterns, _manual_claims(jaxpr, origins), raw_notes)
     except AmbiguousPatternsError as e:
         raise ValueError(f"{e} Parameters: {[paths[i] for i in e.leaves]}.") from e
-    notes = tuple(
-        dict.fromkeys(f"{text}: {[paths[i] for i in leaves]}" for text, leaves in raw_notes)
-    )
-    for note in notes:
-        _warn(f"kfacx: {note}")
+    notes = dict.fromkeys(f"{text}: {[paths[i] for i in leaves]}" for text, leaves in raw_notes)
+    return plan, tuple(notes)
+
+
+def _sources(manual, plan: _Plan) -> dict[int, str]:
+    """Parameter leaf -> what tagged it: ``"manual"`` (``manual``: the leaves tagged by hand),
+    or the names of the patterns that matched it, joined by ``+``."""
     sources = {leaf: "manual" for leaf in manual}
     for m in plan.all_matches():
         for leaf in m.param_leaves:
             names = sources[leaf].split("+") if sources.get(leaf, "manual") != "manual" else []
             sources[leaf] = "+".join(dict.fromkeys([*names, m.pattern.name]))
+    return sources
+
+
+def _check_unmatched(paths: list[str], sources: dict[int, str], on_unmatched: str) -> list[str]:
+    """The paths of the parameters nothing tagged; raises or warns as ``on_unmatched`` says."""
     unmatched = [p for i, p in enumerate(paths) if i not in sources]
     if unmatched and on_unmatched == "error":
         raise ValueError(
@@ -314,13 +341,14 @@ def auto_register_tags(
             f"kfacx: no layer pattern matched parameters {unmatched}; they get a diagonal "
             "block. Pass on_unmatched='error' to make this an error, or 'full' for a full block."
         )
-    out_tree = jax.tree_util.tree_structure(out_shape)
-    unmatched_leaves = {i for i, p in enumerate(paths) if i not in sources}
-    tagged = _tagged_function(closed, out_tree, plan, origins, unmatched_leaves)
-    # The report follows the tags of the tagged function, in evaluation order.
+    return unmatched
+
+
+def _entries(tagged, func_args, origins, paths, sources) -> tuple[RegistrationEntry, ...]:
+    """The report's entries, which follow the tags of the tagged function (evaluation order)."""
     tagged_jaxpr = jax.make_jaxpr(tagged)(*_specs(func_args)).jaxpr
     final = _tagged_leaves(tagged_jaxpr, origins)
-    entries = tuple(
+    return tuple(
         RegistrationEntry(
             path,
             *final[i][:2],
@@ -331,12 +359,11 @@ def auto_register_tags(
         )
         for i, path in enumerate(paths)
     )
-    return tagged, RegistrationReport(entries, tuple(unmatched), notes)
 
 
 def _manual_claims(jaxpr, origins) -> dict[int, tuple]:
     claims = {}
-    for eqn, ins in _jaxpr.walk_tags(jaxpr, origins):
+    for eqn, ins, *_ in _jaxpr.tag_sites(jaxpr, origins):
         tag = tags.layer_tag_for(eqn.primitive)
         if tag is not None:
             claims.update(
@@ -355,22 +382,13 @@ def _tagged_leaves(jaxpr, origins) -> dict[int, tuple[str, int, int, int | None,
     out: dict[int, list] = {}
     kinds: dict[int, list[tuple]] = {}  # leaf -> (tag, meta) of each kind of use
     layer = 0
-    for eqn, ins, scans, branches in _jaxpr.tag_sites(jaxpr, origins):
-        tag = tags.layer_tag_for(eqn.primitive)
+    for site in _jaxpr.tag_sites(jaxpr, origins):
+        tag = tags.layer_tag_for(site.eqn.primitive)
         if tag is None:
             continue
-        params = [o for o in tag.split(ins)[2] if o is not None]
-        leaves = [_jaxpr.leaf_origin(o) for o in params]
-        levels = {level for o in params for level in _jaxpr.slice_levels(o)}
-        lengths = [int(scan.params["length"]) for scan in scans]
-        stacked, length = bool(levels), (lengths[min(levels)] if levels else None)
-        uses = math.prod(n for i, n in enumerate(lengths) if i not in levels)
-        shapes = [v.aval.shape for v in tag.split(eqn.invars)[2]]
-        if tags.stacked_input_axis(tag.name, eqn.params, shapes) is not None:
-            stacked, length = True, int(shapes[0][0])  # a stacked dense layer (batch dims)
-        kind = (tag.name, tuple(sorted(eqn.params.items())))
+        leaves, uses, size, kind = _use_summary(tag, site)
+        in_branch = bool(site.branches)
         known = [o for o in leaves if o in out]
-        size, in_branch = (length if stacked else None), bool(branches)
         if not known:
             out.update({o: [tag.name, layer, uses, size, in_branch] for o in leaves})
             kinds.update({o: [kind] for o in leaves})
@@ -387,6 +405,23 @@ def _tagged_leaves(jaxpr, origins) -> dict[int, tuple[str, int, int, int | None,
             if len(kinds[o]) > 1:
                 out[o][0] = f"tied({', '.join(name for name, _ in kinds[o])})"
     return {o: tuple(v) for o, v in out.items()}
+
+
+def _use_summary(tag: tags.LayerTag, site: _jaxpr.TagSite) -> tuple[list, int, int | None, tuple]:
+    """``(parameter leaves, uses, stack size or None, kind)`` of one layer tag site: its
+    iterations in scans that do not run over its parameters are uses; a scan over them,
+    or a batch dimension over the weight's leading axis, makes it stacked."""
+    params = [o for o in tag.split(site.origins)[2] if o is not None]
+    levels = {level for o in params for level in _jaxpr.slice_levels(o)}
+    lengths = [int(scan.params["length"]) for scan in site.scans]
+    stacked, length = bool(levels), (lengths[min(levels)] if levels else None)
+    uses = math.prod(n for i, n in enumerate(lengths) if i not in levels)
+    shapes = [v.aval.shape for v in tag.split(site.eqn.invars)[2]]
+    if tags.stacked_input_axis(tag.name, site.eqn.params, shapes) is not None:
+        stacked, length = True, int(shapes[0][0])  # a stacked dense layer (batch dims)
+    kind = (tag.name, tuple(sorted(site.eqn.params.items())))
+    leaves = [_jaxpr.leaf_origin(o) for o in params]
+    return leaves, uses, (length if stacked else None), kind
 
 
 def _tagged_function(closed, out_tree, plan: _Plan, origins, unmatched_leaves: set[int]):

@@ -208,6 +208,40 @@ def can_tie(key: tuple, other: tuple, shapes: dict[int, tuple[int, ...]]) -> boo
 
 
 def _try_match(pattern, graph, t_eqn, claimed, claims, notes) -> Match | None:
+    """The match of ``pattern`` whose output equation is ``t_eqn``, if it unifies, passes
+    the numerical check and kfacx can serve it (else None, and maybe a note)."""
+    match = _structural_match(pattern, graph, t_eqn, claimed)
+    if match is None or not verified(match, graph):
+        return None
+    origins = [graph.origin[v] for v in match.param_vars]
+    if not _servable_in_scans(pattern, origins, match.param_leaves, notes):
+        return None
+    if not _claims_allow(match, claims, notes):
+        return None
+    return match
+
+
+def _structural_match(pattern, graph, t_eqn, claimed) -> Match | None:
+    """The match by unification (before the numerical check), or None."""
+    bound = _unify_output(pattern, graph, t_eqn, claimed)
+    if bound is None:
+        return None
+    inputs, params, eqns, tv = bound
+    origins = [graph.origin[v] for v in params]
+    leaves = [_jaxpr.leaf_origin(o) for o in origins]
+    if len(set(leaves)) != len(leaves) or _internal_values_escape(graph, eqns, tv):
+        return None
+    extracted = _extract_meta(pattern, eqns)
+    if extracted is None:
+        return None
+    meta, permutation = extracted
+    stacked = any(_jaxpr.slice_levels(o) for o in origins)
+    return Match(pattern, eqns, inputs, params, leaves, tv, meta, stacked, permutation)
+
+
+def _unify_output(pattern, graph, t_eqn, claimed) -> tuple | None:
+    """Unifies the pattern's output with that of ``t_eqn``: ``(input_vars, param_vars,
+    matched equations in jaxpr order, output_var)``, or None."""
     p = pattern.jaxpr
     p_out = p.outvars[0]
     p_last = next((e for e in p.eqns if p_out in e.outvars), None)
@@ -221,14 +255,12 @@ def _try_match(pattern, graph, t_eqn, claimed, claims, notes) -> Match | None:
     params = [state.binding.get(v) for v in p.invars[pattern.num_inputs :]]
     if any(v is None for v in inputs + params) or any(v in params for v in inputs):
         return None
-    origins = [graph.origin[v] for v in params]
-    leaves = [_jaxpr.leaf_origin(o) for o in origins]
-    if len(set(leaves)) != len(leaves):
-        return None
-    sliced = {_jaxpr.slice_levels(o) for o in origins}
     eqns = sorted(state.matched.values(), key=lambda e: graph.order[id(e)])
-    if _internal_values_escape(graph, eqns, tv):
-        return None
+    return inputs, params, eqns, tv
+
+
+def _extract_meta(pattern, eqns) -> tuple[dict, tuple[int, ...] | None] | None:
+    """``(meta, output permutation)`` from the pattern's extractor, or None if it refuses."""
     try:
         meta = pattern.parameters_extractor_func(eqns)
     except ValueError:
@@ -237,10 +269,12 @@ def _try_match(pattern, graph, t_eqn, claimed, claims, notes) -> Match | None:
         return None
     meta = dict(meta)
     permutation = meta.pop(OUTPUT_PERMUTATION, None)
-    permutation = None if permutation is None else tuple(int(i) for i in permutation)
-    match = Match(pattern, eqns, inputs, params, leaves, tv, meta, any(sliced), permutation)
-    if not verified(match, graph):
-        return None
+    return meta, None if permutation is None else tuple(int(i) for i in permutation)
+
+
+def _servable_in_scans(pattern, origins, leaves, notes: list) -> bool:
+    """Whether the parameters are all stacked by one scan level, or all shared (else a note)."""
+    sliced = {_jaxpr.slice_levels(o) for o in origins}
     if len(sliced) > 1:
         notes.append(
             (
@@ -251,7 +285,7 @@ def _try_match(pattern, graph, t_eqn, claimed, claims, notes) -> Match | None:
                 tuple(leaves),
             )
         )
-        return None
+        return False
     if any(len(levels) > 1 for levels in sliced):
         notes.append(
             (
@@ -260,12 +294,19 @@ def _try_match(pattern, graph, t_eqn, claimed, claims, notes) -> Match | None:
                 tuple(leaves),
             )
         )
-        return None
+        return False
+    return True
+
+
+def _claims_allow(match: Match, claims: dict, notes: list) -> bool:
+    """Whether the parameters are free, or claimed by a layer they can be tied with (else a
+    note, unless they are tagged by hand: the user's registration is kept as it is)."""
+    leaves, pattern = match.param_leaves, match.pattern
     key = claim_key(pattern.tag_primitive.name, leaves, match.meta, match.stacked)
     if any(claims.get(leaf) == MANUAL for leaf in leaves):
-        return None  # Tagged by hand: the user's registration is kept as it is.
+        return False
     others = {claims[leaf] for leaf in leaves if claims.get(leaf, key) != key}
-    shapes = dict(zip(leaves, (tuple(v.aval.shape) for v in params), strict=True))
+    shapes = dict(zip(leaves, (tuple(v.aval.shape) for v in match.param_vars), strict=True))
     if others and not all(can_tie(key, other, shapes) for other in others):
         notes.append(
             (
@@ -276,8 +317,8 @@ def _try_match(pattern, graph, t_eqn, claimed, claims, notes) -> Match | None:
                 tuple(leaves),
             )
         )
-        return None
-    return match
+        return False
+    return True
 
 
 def find_matches(

@@ -42,13 +42,19 @@ def _subgraph_eqns(graph: _Graph, eqns, param_vars) -> list[Any]:
 
 def _evaluate_subgraph(todo, input_vars, param_vars, inputs, params, output_var):
     env = dict(zip(input_vars, inputs, strict=True)) | dict(zip(param_vars, params, strict=True))
-    for eqn in todo:
-        ins = [v.val if isinstance(v, jex.core.Literal) else env.get(v) for v in eqn.invars]
-        if any(x is None for x in ins):
-            continue
-        for v, val in zip(eqn.outvars, _jaxpr.bind_eqn(eqn, ins), strict=True):
-            env[v] = val
+    _jaxpr.eval_eqns(_computable(todo, env), env)
     return env[output_var]
+
+
+def _computable(eqns, known) -> list[Any]:
+    """The equations, in order, whose operands are literals, ``known`` values or results
+    of the equations kept before them (the others cannot be evaluated: skipped)."""
+    known, kept = set(known), []
+    for eqn in eqns:
+        if all(isinstance(v, jex.core.Literal) or v in known for v in eqn.invars):
+            kept.append(eqn)
+            known.update(eqn.outvars)
+    return kept
 
 
 def _structure(match: Match, todo) -> tuple | None:

@@ -5,26 +5,16 @@
 tagged function computes exactly what the untagged one does.
 """
 
-from kfacx.tags._layer_tags import (
-    LayerTag,
-    conv,
-    conv_meta,
+from kfacx.tags._conv import conv, conv_meta, register_conv, register_conv2d
+from kfacx.tags._dense import (
     dense,
     dense_meta,
     dense_slice_meta,
     dense_stack_size,
-    embedding,
-    generic,
-    layer_tag_for,
-    register_conv,
-    register_conv2d,
     register_dense,
-    register_embedding,
-    register_generic,
-    register_scale_and_shift,
-    scale_and_shift,
     stacked_input_axis,
 )
+from kfacx.tags._layer_tags import LayerTag, generic, layer_tag_for, register_generic
 from kfacx.tags._loss_tags import (
     LossTag,
     loss_tag_for,
@@ -35,6 +25,12 @@ from kfacx.tags._loss_tags import (
     register_squared_error_loss,
     sigmoid_cross_entropy,
     softmax_cross_entropy,
+)
+from kfacx.tags._norm_embedding import (
+    embedding,
+    register_embedding,
+    register_scale_and_shift,
+    scale_and_shift,
 )
 
 __all__ = [

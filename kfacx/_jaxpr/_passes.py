@@ -1,0 +1,189 @@
+"""Jaxpr -> jaxpr passes run before detection and tracing: `dce` and `sink_invariants`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.extend as jex
+
+from kfacx._jaxpr._interpret import (
+    CALL_BODY_PARAMS,
+    Jaxpr,
+    JaxprEqn,
+    bind_eqn,
+    eval_jaxpr,
+    is_scan,
+    is_tag_eqn,
+)
+
+# Cheap single-operand shape operations that JAX hoists out of a scan body as
+# loop-invariant residuals (e.g. the broadcast of a bias under `jax.value_and_grad`).
+_SHAPE_OPS = ("broadcast_in_dim", "reshape", "squeeze", "convert_element_type", "transpose")
+
+
+def sink_invariants(closed: jex.core.ClosedJaxpr) -> jex.core.ClosedJaxpr:
+    """Moves shape operations on a scan's consts back into the scan body.
+
+    Differentiating a scan (``jax.value_and_grad`` of a loss, whose forward
+    pass the optimizer traces) hoists loop-invariant work out of the body: the
+    broadcast of an RNN cell's bias is computed once, before the scan, and the
+    body adds the broadcast array. Detection matches one body at a time, so it
+    would see ``x @ w + c`` with ``c`` not a parameter. Moving such chains of
+    `_SHAPE_OPS` (from an input of the enclosing jaxpr) back into the body
+    restores ``x @ w + broadcast(b)``; the result computes the same values.
+    Nested scans and call bodies are rewritten too.
+    """
+    jaxpr = _sink(closed.jaxpr)
+    return closed if jaxpr is closed.jaxpr else jex.core.ClosedJaxpr(jaxpr, closed.consts)
+
+
+def _sink(jaxpr: Jaxpr) -> Jaxpr:
+    roots = set(jaxpr.invars)
+    producers = {
+        eqn.outvars[0]: eqn
+        for eqn in jaxpr.eqns
+        if eqn.primitive.name in _SHAPE_OPS and len(eqn.invars) == 1 and len(eqn.outvars) == 1
+    }
+    eqns, changed = [], False
+    for eqn in jaxpr.eqns:
+        new = eqn
+        if is_scan(eqn):
+            new = _sink_scan(eqn, producers, roots)
+        elif CALL_BODY_PARAMS.get(eqn.primitive.name) in eqn.params:
+            key = CALL_BODY_PARAMS[eqn.primitive.name]
+            inner = _sink(_open(eqn.params[key]))
+            if inner is not _open(eqn.params[key]):
+                new = eqn.replace(params={**eqn.params, key: _reclose(eqn.params[key], inner)})
+        changed = changed or new is not eqn
+        eqns.append(new)
+    return jaxpr.replace(eqns=eqns) if changed else jaxpr
+
+
+def _sink_scan(eqn: JaxprEqn, producers: dict, roots: set) -> JaxprEqn:
+    nc = eqn.params["num_consts"]
+    chains = []  # per const operand: the shape ops from an input of the jaxpr to it
+    for v in eqn.invars[:nc]:
+        chain = []
+        while isinstance(v, jex.core.Var) and v in producers:
+            chain.append(producers[v])
+            v = producers[v].invars[0]
+        rooted = chain and isinstance(v, jex.core.Var) and v in roots
+        chains.append((v, chain[::-1]) if rooted else None)
+    body = eqn.params["jaxpr"]
+    if not any(chains):
+        inner = _sink(body.jaxpr)
+        if inner is body.jaxpr:
+            return eqn
+        return eqn.replace(params=dict(eqn.params, jaxpr=jex.core.ClosedJaxpr(inner, body.consts)))
+    invars = [c[0] if c else v for v, c in zip(eqn.invars[:nc], chains, strict=True)]
+    invars += eqn.invars[nc:]
+
+    def new_body(*args):
+        args = list(args)
+        for i, item in enumerate(chains):
+            for op in item[1] if item else ():
+                (args[i],) = bind_eqn(op, [args[i]])
+        return eval_jaxpr(body.jaxpr, body.consts, args)
+
+    # The body's own input types, but the roots' for the sunk consts.
+    kinds = chains + [None] * (len(body.jaxpr.invars) - nc)
+    avals = [c[0].aval if c else v.aval for v, c in zip(body.jaxpr.invars, kinds, strict=True)]
+    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in avals]
+    new = jax.make_jaxpr(new_body)(*specs)
+    if new.consts:
+        return eqn  # (keep the scan as it is rather than add operands)
+    new = jex.core.ClosedJaxpr(_sink(new.jaxpr), ())
+    return eqn.replace(invars=invars, params=dict(eqn.params, jaxpr=new))
+
+
+def dce(closed: jex.core.ClosedJaxpr) -> jex.core.ClosedJaxpr:
+    """Drops the equations whose results are unused, also inside jit and remat bodies
+    and scan bodies (a scan's unused stacked outputs go too).
+
+    Tags and effectful equations are always kept. This removes, e.g., the
+    backward pass of a function built as ``jax.value_and_grad(f)(...)[0]``
+    (or ``jax.jit(jax.value_and_grad(f))(...)[0]``), so that detection does
+    not mistake its products for layers.
+    """
+    jaxpr = _dce(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
+    return closed if jaxpr is closed.jaxpr else jex.core.ClosedJaxpr(jaxpr, closed.consts)
+
+
+# Call primitives whose unused outputs can be dropped, with their per-output params.
+_PRUNABLE_CALLS = {
+    "jit": ("out_shardings", "out_layouts"),
+    "pjit": ("out_shardings", "out_layouts"),
+    "closed_call": (),
+    "core_call": (),
+    "remat": (),
+    "remat2": (),
+    "checkpoint": (),
+}
+
+
+def _dce(jaxpr: Jaxpr, used_outputs: Sequence[bool]) -> Jaxpr:
+    outvars = [v for v, used in zip(jaxpr.outvars, used_outputs, strict=True) if used]
+    live = {v for v in outvars if not isinstance(v, jex.core.Literal)}
+    kept, changed = [], len(outvars) != len(jaxpr.outvars)
+    for eqn in reversed(jaxpr.eqns):
+        used = [v in live for v in eqn.outvars]
+        if not (eqn.effects or is_tag_eqn(eqn) or any(used)):
+            changed = True
+            continue
+        if not eqn.effects and (eqn.primitive.name in _PRUNABLE_CALLS or is_scan(eqn)):
+            prune = _prune_scan if is_scan(eqn) else _prune_call
+            pruned = prune(eqn, used if any(used) else [True] * len(used))
+            changed = changed or pruned is not eqn
+            eqn = pruned
+        kept.append(eqn)
+        live.update(v for v in eqn.invars if not isinstance(v, jex.core.Literal))
+    if not changed:
+        return jaxpr
+    return jaxpr.replace(eqns=kept[::-1], outvars=outvars)
+
+
+def _prune_scan(eqn: JaxprEqn, used: Sequence[bool]) -> JaxprEqn:
+    """Drops a scan's unused stacked outputs (``ys``: e.g. the residuals a
+    differentiated scan saves for its backward pass) and what only they need."""
+    ncarry = eqn.params["num_carry"]
+    keep = [True] * ncarry + list(used[ncarry:])
+    body = eqn.params["jaxpr"]
+    inner = _dce(body.jaxpr, keep)
+    if inner is body.jaxpr:
+        return eqn
+    outvars = [v for v, k in zip(eqn.outvars, keep, strict=True) if k]
+    params = dict(eqn.params, jaxpr=jex.core.ClosedJaxpr(inner, body.consts))
+    return eqn.replace(params=params, outvars=outvars)
+
+
+def _open(body: Any) -> Jaxpr:
+    """The jaxpr of a call body param (a `Jaxpr` or a `ClosedJaxpr`)."""
+    return body.jaxpr if isinstance(body, jex.core.ClosedJaxpr) else body
+
+
+def _reclose(body: Any, inner: Jaxpr) -> Any:
+    """``inner`` in place of the jaxpr of the call body param ``body`` (same kind)."""
+    return (
+        jex.core.ClosedJaxpr(inner, body.consts)
+        if isinstance(body, jex.core.ClosedJaxpr)
+        else inner
+    )
+
+
+def _prune_call(eqn: JaxprEqn, used: Sequence[bool]) -> JaxprEqn:
+    key = CALL_BODY_PARAMS[eqn.primitive.name]
+    if key not in eqn.params:
+        return eqn
+    body = eqn.params[key]
+    inner = _dce(_open(body), used)
+    if inner is _open(body):
+        return eqn
+    params = dict(eqn.params)
+    params[key] = _reclose(body, inner)
+    for name in _PRUNABLE_CALLS[eqn.primitive.name]:
+        if name in params:
+            params[name] = tuple(x for x, u in zip(params[name], used, strict=True) if u)
+    outvars = [v for v, u in zip(eqn.outvars, used, strict=True) if u]
+    return eqn.replace(params=params, outvars=outvars)
