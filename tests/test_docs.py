@@ -18,7 +18,6 @@ import sys
 import textwrap
 import zlib
 
-import filelock
 import pytest
 
 import kfacx
@@ -69,7 +68,10 @@ SNIPPET_RUNNER = textwrap.dedent(
 )
 
 
-def _run_snippets(out: pathlib.Path) -> None:
+@pytest.fixture(scope="module")
+def snippet_outputs(tmp_path_factory) -> dict[str, tuple[str, str | None]]:
+    """``{snippet name: (stdout, traceback or None)}`` of all snippets, run in one process."""
+    out = tmp_path_factory.mktemp("snippets") / "results.json"
     done = subprocess.run(
         [sys.executable, "-c", SNIPPET_RUNNER, str(out), *map(str, SNIPPETS)],
         capture_output=True,
@@ -77,20 +79,6 @@ def _run_snippets(out: pathlib.Path) -> None:
         timeout=TIMEOUT,
     )
     assert done.returncode == 0 and out.exists(), done.stdout + done.stderr
-
-
-@pytest.fixture(scope="session")
-def snippet_outputs(tmp_path_factory, worker_id) -> dict[str, tuple[str, str | None]]:
-    """``{snippet name: (stdout, traceback or None)}`` of all snippets, run in one process
-    per test run (under xdist, the first worker to ask runs it; the others read its file)."""
-    if worker_id == "master":
-        out = tmp_path_factory.mktemp("snippets") / "results.json"
-        _run_snippets(out)
-    else:
-        out = tmp_path_factory.getbasetemp().parent / "snippet_results.json"  # this run's
-        with filelock.FileLock(f"{out}.lock"):
-            if not out.is_file():
-                _run_snippets(out)
     results = json.loads(out.read_text())
     return {pathlib.Path(path).name: tuple(value) for path, value in results.items()}
 
@@ -203,13 +191,18 @@ def test_every_shown_output_is_checked():
             assert (page.parent / path).is_file(), f"{page.name}: {path}"
 
 
-@pytest.mark.xdist_group("docs_snippets")  # one worker runs the shared process
-@pytest.mark.parametrize("snippet", SNIPPETS, ids=[s.stem for s in SNIPPETS])
-def test_snippet_runs(snippet, snippet_outputs):
-    stdout, error = snippet_outputs[snippet.name]
-    assert error is None, stdout + error
-    assert stdout.rstrip().endswith("OK"), stdout
-    _check_shown_outputs(snippet, stdout)
+def test_every_snippet_runs_and_prints_what_its_page_shows(snippet_outputs):
+    """One test for all snippets: they share one process, which one xdist worker runs."""
+    failures = []
+    for snippet in SNIPPETS:
+        stdout, error = snippet_outputs[snippet.name]
+        try:
+            assert error is None, stdout + error
+            assert stdout.rstrip().endswith("OK"), stdout
+            _check_shown_outputs(snippet, stdout)
+        except AssertionError as e:
+            failures.append(f"--- {snippet.name}:\n{e}")
+    assert not failures, "\n".join(failures)
 
 
 @functools.cache
