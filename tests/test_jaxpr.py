@@ -263,3 +263,31 @@ def test_sink_invariants_moves_a_hoisted_broadcast_into_the_scan_body():
     assert scan.invars[0] is sunk.jaxpr.invars[2]  # the bias itself enters the scan
     (got,) = _jaxpr.eval_jaxpr(sunk.jaxpr, sunk.consts, [X, ws, b])
     np.testing.assert_allclose(got, f(X, ws, b), rtol=1e-6)
+
+
+@pytest.mark.parametrize("call", ["jit", "checkpoint"])
+def test_sink_invariants_moves_a_cast_into_a_call_body(call):
+    """A parameter cast before a call (a bfloat16 table entering `jnp.take`, a jit) enters
+    the call itself, and the body casts it; the values are unchanged."""
+    wrap = {"jit": jax.jit, "checkpoint": jax.checkpoint}[call]
+
+    def f(x, w):
+        return wrap(lambda a, v: jnp.tanh(a @ v))(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16))
+
+    closed = jax.make_jaxpr(f)(X, SQ)
+    sunk = _jaxpr.sink_invariants(closed)
+    (eqn,) = [e for e in sunk.jaxpr.eqns if _jaxpr.call_body(e) is not None]
+    assert list(eqn.invars) == list(sunk.jaxpr.invars)  # x and w themselves enter the call
+    body = _jaxpr.call_body(eqn)[0]
+    assert _prims(body)[:2] == ["convert_element_type", "convert_element_type"]
+    (got,) = _jaxpr.eval_jaxpr(sunk.jaxpr, sunk.consts, [X, SQ])
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(f(X, SQ), np.float32))
+    assert _jaxpr.sink_invariants(sunk) is sunk  # nothing left to move
+
+
+def test_sink_invariants_leaves_custom_derivative_calls_alone():
+    """A custom_jvp function's rule is written for its operands' types: no cast moves in."""
+    f = jax.custom_jvp(lambda a: jnp.tanh(a))
+    f.defjvp(lambda p, t: (f(p[0]), t[0] * (1 - jnp.tanh(p[0]) ** 2)))
+    closed = jax.make_jaxpr(lambda x: f(x.astype(jnp.bfloat16)))(X)
+    assert _jaxpr.sink_invariants(closed) is closed

@@ -12,9 +12,9 @@ nothing, a few `kfacx.Optimizer` steps lower the loss with finite curvature
 statistics, and where hand tagging is easy the curvature equals the hand-tagged
 model's (float64, ``ggn_exact``).
 
-Known gap (strict xfails, `JIT_BOUNDARY_GAP`): a parameter cast to bfloat16 *before* it
-enters a `jit` body (`jnp.take` is one, so Flax's ``nn.Embed(dtype=jnp.bfloat16)``) or a
-`jax.checkpoint` body is not recognised inside it.
+A parameter cast to bfloat16 *before* it enters a `jit` body (`jnp.take` is one, so
+Flax's ``nn.Embed(dtype=jnp.bfloat16)``) or a `jax.checkpoint` body is recognised inside
+it (`kfacx._jaxpr.sink_invariants` moves the cast into the body).
 """
 
 from __future__ import annotations
@@ -428,16 +428,11 @@ LM_CONFIGS = {
     "one_hot_tied_grouped_gemma": (dict(embed="one_hot", grouping="reshape", norm="gemma"), True),
     "bf16_one_hot": (dict(embed="one_hot", precision="bf16"), False),
     "bf16_upcast_one_hot_tied": (dict(embed="one_hot", precision="bf16_upcast"), True),
+    # The table is cast to bfloat16 before `jnp.take` (a jit): the cast is moved into it.
+    "bf16_take": (dict(precision="bf16"), False),
+    # Tied: both uses are seen (before the move, the lookup was missed silently).
+    "bf16_take_tied": (dict(precision="bf16"), True),
 }
-JIT_BOUNDARY_GAP = (
-    "a parameter cast to bfloat16 before a call boundary (`jnp.take` is a `jit`) reaches the "
-    "call body without its parameter origin: `kfacx._jaxpr.sink_invariants` sinks shape-op "
-    "chains into `scan` bodies only, not into `jit` / `checkpoint` bodies"
-)
-
-
-def _gap(raises):
-    return pytest.mark.xfail(strict=True, raises=raises, reason=JIT_BOUNDARY_GAP)
 
 
 def _lm_case(config):
@@ -446,31 +441,16 @@ def _lm_case(config):
     return kwargs, tied, expected
 
 
-@pytest.mark.parametrize(
-    "config",
-    [
-        *LM_CONFIGS,
-        # The table falls back to the diagonal block, with a warning.
-        pytest.param("bf16_take", marks=_gap(UserWarning)),
-        # The lookup is dropped silently: the table is served as the output layer only.
-        pytest.param("bf16_take_tied", marks=_gap(AssertionError)),
-    ],
-)
+@pytest.mark.parametrize("config", LM_CONFIGS)
 def test_lm_every_parameter_gets_its_layer(config):
     """Dense projections (einsum q/k/v/o, SwiGLU, output), scale layers (RMSNorms and
     qk-norms), the lookup (embedding) or one-hot product (dense), a tied table one layer of
-    both its uses; no fallback, no note, no warning. With bfloat16 compute and the table
-    looked up by `jnp.take`, the lookup is missed (untied: the table falls back with a
-    warning; tied: silently, the table is only the output layer)."""
-    if config.startswith("bf16_take"):
-        tied = config.endswith("tied")
-        kwargs, expected = dict(precision="bf16"), _lm_expected("take", tied, "plain")
-    else:
-        kwargs, tied, expected = _lm_case(config)
+    both its uses; no fallback, no note, no warning."""
+    kwargs, tied, expected = _lm_case(config)
     _assert_matched(_detect(lm_loss(**kwargs), _f32(lm_params(tied)), lm_batch()), expected)
 
 
-@pytest.mark.parametrize("config", ["take", "bf16_one_hot"])
+@pytest.mark.parametrize("config", ["take", "bf16_one_hot", "bf16_take_tied"])
 def test_lm_trains(config):
     kwargs, tied, expected = _lm_case(config)
     report, losses = _train(lm_loss(**kwargs), _f32(lm_params(tied)), lm_batch(), 4, 0.05)
@@ -613,15 +593,14 @@ def _checkpointed_block(dtype):
     ("make", "dtype"),
     [
         pytest.param(_flax_embed, jnp.float32, id="flax_embed_f32"),
-        pytest.param(_flax_embed, jnp.bfloat16, id="flax_embed_bf16", marks=_gap(UserWarning)),
+        pytest.param(_flax_embed, jnp.bfloat16, id="flax_embed_bf16"),
         pytest.param(_checkpointed_block, jnp.float32, id="checkpoint_f32"),
-        pytest.param(
-            _checkpointed_block, jnp.bfloat16, id="checkpoint_bf16", marks=_gap(UserWarning)
-        ),
+        pytest.param(_checkpointed_block, jnp.bfloat16, id="checkpoint_bf16"),
     ],
 )
 def test_parameters_cast_before_a_call_boundary(make, dtype):
-    """The bfloat16 gap of the LM's `jnp.take` in Flax (`nn.Embed(dtype=jnp.bfloat16)`)
-    and around a `jax.checkpoint`-ed block; the same models in float32 are matched."""
+    """Parameters cast to bfloat16 before a call: Flax's `nn.Embed(dtype=jnp.bfloat16)`
+    (the cast table enters `jnp.take`) and a `jax.checkpoint`-ed block; and the same
+    models in float32."""
     loss, params, batch, expected = make(dtype)
     _assert_matched(_detect(loss, params, batch), expected)

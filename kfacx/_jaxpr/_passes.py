@@ -51,6 +51,10 @@ def _sink(jaxpr: Jaxpr) -> Jaxpr:
         new = eqn
         if is_scan(eqn):
             new = _sink_scan(eqn, producers, roots)
+        elif eqn.primitive.name in _SINKABLE_CALLS and _SINKABLE_CALLS[eqn.primitive.name] in (
+            eqn.params
+        ):
+            new = _sink_call(eqn, producers, roots)
         elif CALL_BODY_PARAMS.get(eqn.primitive.name) in eqn.params:
             key = CALL_BODY_PARAMS[eqn.primitive.name]
             inner = _sink(_open(eqn.params[key]))
@@ -61,24 +65,36 @@ def _sink(jaxpr: Jaxpr) -> Jaxpr:
     return jaxpr.replace(eqns=eqns) if changed else jaxpr
 
 
-def _sink_scan(eqn: JaxprEqn, producers: dict, roots: set) -> JaxprEqn:
-    nc = eqn.params["num_consts"]
-    chains = []  # per const operand: the shape ops from an input of the jaxpr to it
-    for v in eqn.invars[:nc]:
+#: Calls whose operands' shape-op chains `sink_invariants` moves into the body: their
+#: params do not depend on the operands' types (a custom derivative's rule would;
+#: `jax.checkpoint`'s policy names values, not types).
+_SINKABLE_CALLS = {
+    "jit": "jaxpr",
+    "pjit": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "checkpoint": "jaxpr",
+    "remat": "jaxpr",
+    "remat2": "jaxpr",
+}
+
+
+def _chains(operands: Sequence[Any], producers: dict, roots: set) -> list:
+    """Per operand: ``(root, shape ops from the root to it)`` when the operand is a chain
+    of `_SHAPE_OPS` from an input of the jaxpr, else None."""
+    chains = []
+    for v in operands:
         chain = []
         while isinstance(v, jex.core.Var) and v in producers:
             chain.append(producers[v])
             v = producers[v].invars[0]
         rooted = chain and isinstance(v, jex.core.Var) and v in roots
         chains.append((v, chain[::-1]) if rooted else None)
-    body = eqn.params["jaxpr"]
-    if not any(chains):
-        inner = _sink(body.jaxpr)
-        if inner is body.jaxpr:
-            return eqn
-        return eqn.replace(params=dict(eqn.params, jaxpr=jex.core.ClosedJaxpr(inner, body.consts)))
-    invars = [c[0] if c else v for v, c in zip(eqn.invars[:nc], chains, strict=True)]
-    invars += eqn.invars[nc:]
+    return chains
+
+
+def _with_chains(body: jex.core.ClosedJaxpr, chains: list) -> jex.core.ClosedJaxpr | None:
+    """``body`` taking the chains' roots in place of the chained operands (it applies the
+    chains first), or None if that would need constants."""
 
     def new_body(*args):
         args = list(args)
@@ -87,15 +103,52 @@ def _sink_scan(eqn: JaxprEqn, producers: dict, roots: set) -> JaxprEqn:
                 (args[i],) = bind_eqn(op, [args[i]])
         return eval_jaxpr(body.jaxpr, body.consts, args)
 
-    # The body's own input types, but the roots' for the sunk consts.
-    kinds = chains + [None] * (len(body.jaxpr.invars) - nc)
+    # The body's own input types, but the roots' for the chained operands.
+    kinds = chains + [None] * (len(body.jaxpr.invars) - len(chains))
     avals = [c[0].aval if c else v.aval for v, c in zip(body.jaxpr.invars, kinds, strict=True)]
     specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in avals]
     new = jax.make_jaxpr(new_body)(*specs)
-    if new.consts:
+    return None if new.consts else jex.core.ClosedJaxpr(_sink(new.jaxpr), ())
+
+
+def _sink_call(eqn: JaxprEqn, producers: dict, roots: set) -> JaxprEqn:
+    """A jit call whose operands are shape-op chains from inputs of the enclosing jaxpr
+    (a parameter cast to bfloat16 before ``jnp.take``, itself a jit) takes the roots
+    and applies the chains in its body, where detection sees the parameter."""
+    key = _SINKABLE_CALLS[eqn.primitive.name]
+    body = eqn.params[key]
+    chains = _chains(eqn.invars, producers, roots)
+    new = _with_chains(_closed(body), chains) if any(chains) else None
+    if new is None:
+        inner = _sink(_open(body))
+        return (
+            eqn
+            if inner is _open(body)
+            else eqn.replace(params={**eqn.params, key: _reclose(body, inner)})
+        )
+    invars = [c[0] if c else v for v, c in zip(eqn.invars, chains, strict=True)]
+    body = new if isinstance(body, jex.core.ClosedJaxpr) else new.jaxpr
+    return eqn.replace(invars=invars, params={**eqn.params, key: body})
+
+
+def _closed(body: Any) -> jex.core.ClosedJaxpr:
+    return body if isinstance(body, jex.core.ClosedJaxpr) else jex.core.ClosedJaxpr(body, ())
+
+
+def _sink_scan(eqn: JaxprEqn, producers: dict, roots: set) -> JaxprEqn:
+    nc = eqn.params["num_consts"]
+    chains = _chains(eqn.invars[:nc], producers, roots)
+    body = eqn.params["jaxpr"]
+    if not any(chains):
+        inner = _sink(body.jaxpr)
+        if inner is body.jaxpr:
+            return eqn
+        return eqn.replace(params=dict(eqn.params, jaxpr=jex.core.ClosedJaxpr(inner, body.consts)))
+    new = _with_chains(body, chains)
+    if new is None:
         return eqn  # (keep the scan as it is rather than add operands)
-    new = jex.core.ClosedJaxpr(_sink(new.jaxpr), ())
-    return eqn.replace(invars=invars, params=dict(eqn.params, jaxpr=new))
+    invars = [c[0] if c else v for v, c in zip(eqn.invars[:nc], chains, strict=True)]
+    return eqn.replace(invars=invars + eqn.invars[nc:], params=dict(eqn.params, jaxpr=new))
 
 
 def dce(closed: jex.core.ClosedJaxpr) -> jex.core.ClosedJaxpr:
