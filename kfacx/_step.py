@@ -273,7 +273,15 @@ def _guard(loss, sq_norms, lam, stats, new, old):
 
 
 def _step_stats(loss, lr, mom, lam, rho, quad_change, sq_norms, step, new_state, finite):
-    """The stats `kfacx.Optimizer.step` returns (without ``aux``)."""
+    """The stats `kfacx.Optimizer.step` returns (without ``aux``, added by the step).
+
+    Each field is documented in `kfacx.Optimizer.step`'s "Returns" section and, with
+    its dtype and kfac-jax's counterpart, in docs/logging.md; tests/test_step_stats.py
+    checks that both list exactly these keys. ``rho`` and ``quad_model_change`` arrive
+    as NaN when not computed (see `KfacStep._adapt_damping`); ``step`` is the counter
+    before the step and ``data_seen`` the (guarded) new state's, so neither advances on
+    a skipped step.
+    """
     grad_sq, precon_sq, update_sq = sq_norms
     return dict(
         loss=loss,

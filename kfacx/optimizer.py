@@ -337,17 +337,25 @@ class Optimizer:
             (also used for the burn-in before the first step).
 
         Returns:
-          ``(params, state, stats)`` or ``(params, state, func_state, stats)``;
-          ``stats`` holds ``loss``, ``learning_rate``, ``momentum``,
-          ``damping``, ``rho``, ``quad_model_change``, ``grad_norm``,
-          ``precon_grad_norm``, ``update_norm``, ``step``, ``data_seen``,
-          ``skipped`` and ``aux``. ``skipped`` is True when the loss, the
-          gradient, a curvature statistic, the new parameters or the new state
-          is not finite (e.g. NaN or Inf in the batch, a schedule returning
-          NaN), or the damping is not positive (e.g. from a
-          ``damping_schedule``): the parameters and the state (and
-          ``func_state``) are then returned unchanged, bit for bit, and the
-          step counter does not advance.
+          ``(params, state, stats)``, or ``(params, state, func_state, stats)`` with
+          ``value_func_has_state``. ``stats`` holds scalars (NaN where not computed;
+          docs/logging.md gives their dtypes and compares them with kfac-jax's):
+
+          - ``loss``: at the parameters before the step (mean over the batch).
+          - ``learning_rate``, ``momentum``: this step's (given, scheduled or solved).
+          - ``damping``: the damping this step used (an adapted one shows next step).
+          - ``rho``: the reduction ratio; NaN unless the step adapts the damping.
+          - ``quad_model_change``: the quadratic model's change; NaN unless the
+            learning rate or the damping is adaptive.
+          - ``grad_norm``, ``precon_grad_norm``, ``update_norm``: of the gradient
+            (with ``l2_reg``), the preconditioned gradient, the update.
+          - ``step``: the step counter before the step (0 first; kfac-jax's: after).
+          - ``data_seen``: the examples seen, this step's included.
+          - ``skipped``: True when the loss, the gradient, a curvature statistic or
+            the new state is not finite (e.g. NaN in the batch), or the damping is
+            not positive: params, state (and func_state) are returned unchanged,
+            bit for bit, and the step counter does not advance.
+          - ``aux``: the loss function's aux output (with ``value_func_has_aux``).
 
         Raises:
           ValueError: for a Python or NumPy ``damping`` that is not finite and
