@@ -1,0 +1,46 @@
+"""examples/log_stats.py at a tiny size: its CSV file has every documented field of every
+step (``rho`` a number exactly on the damping adaptation steps) and its plot is a PNG."""
+
+from __future__ import annotations
+
+import csv
+import math
+import pathlib
+import runpy
+import sys
+
+from test_step_stats import page_fields
+
+EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "log_stats.py"
+STEPS, PRINT_EVERY, ADAPTATION_INTERVAL = 7, 3, 5
+
+
+def test_log_stats_example_logs_every_field_of_every_step_and_plots(tmp_path, monkeypatch, capsys):
+    """Run as ``__main__`` in this process (a new one would import JAX again: 3 s)."""
+    log, plot = tmp_path / "stats.csv", tmp_path / "stats.png"
+    args = ["--dataset", "digits", "--steps", str(STEPS), "--batch-size", "32", "--width", "8"]
+    args += ["--burnin", "0", "--print-every", str(PRINT_EVERY)]
+    monkeypatch.setattr(sys, "argv", [str(EXAMPLE), *args, "--csv", str(log), "--plot", str(plot)])
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the example adds its folder
+    runpy.run_path(str(EXAMPLE), run_name="__main__")
+    stdout = capsys.readouterr().out
+
+    with open(log, newline="") as f:
+        reader = csv.DictReader(f)
+        header, rows = reader.fieldnames, list(reader)
+    fields = [name for name in page_fields() if name != "aux"] + ["aux/accuracy"]
+    assert header[0] == "step" and sorted(header) == sorted(fields)
+    assert [int(row["step"]) for row in rows] == list(range(STEPS))
+    assert [int(row["data_seen"]) for row in rows] == [32 * (i + 1) for i in range(STEPS)]
+    assert {row["skipped"] for row in rows} == {"False"}
+    for row in rows:
+        values = {name: float(row[name]) for name in header if name != "skipped"}
+        adapts = (values["step"] + 1) % ADAPTATION_INTERVAL == 0
+        assert math.isfinite(values["rho"]) == adapts, row
+        assert all(math.isfinite(v) for name, v in values.items() if name != "rho"), row
+    assert float(rows[-1]["loss"]) < float(rows[0]["loss"])
+
+    printed = [line.split()[1] for line in stdout.splitlines() if line.startswith("step")]
+    assert printed == [str(s) for s in range(PRINT_EVERY - 1, STEPS, PRINT_EVERY)], stdout
+    assert "test accuracy" in stdout
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
