@@ -121,6 +121,11 @@ class BlockSubset:
         pmap_axis_name: str | None = None,
     ) -> EstimatorState:
         """Folds the kept blocks' part of the whole model's statistics in."""
+        if len(stats.blocks) != len(self.leaf_ids):
+            raise ValueError(
+                f"scale_by_kfac: curvature_stats has {len(stats.blocks)} blocks, the estimator "
+                f"{len(self.leaf_ids)}: pass the statistics of this estimator's whole model."
+            )
         stats = CurvatureStats(tuple(stats.blocks[b] for b in self.block_ids), stats.batch_size)
         if pmap_axis_name is not None:
             stats = _statistics.weighted_mean_stats(stats, pmap_axis_name)

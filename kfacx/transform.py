@@ -42,7 +42,8 @@ class ScaleByKfacState(NamedTuple):
 
     Attributes:
       count: number of updates so far.
-      estimator_state: the curvature blocks' moving averages and cached inverses.
+      estimator_state: the curvature blocks' moving averages and cached inverses
+        (inside `optax.masked` / `optax.partition`: of the kept parameters' blocks only).
     """
 
     count: jax.Array
