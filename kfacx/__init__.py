@@ -7,6 +7,7 @@ register the loss on the model output, and precondition gradients with
 
 from kfacx import blocks, graph_matcher, linalg, losses, parallel, tags, tracer
 from kfacx._compile import fast_compile_options
+from kfacx._partition import block_labels
 from kfacx.blocks import (
     ConvTwoKroneckerFactored,
     CurvatureBlock,
@@ -65,6 +66,7 @@ from kfacx.transform import (
     AccumulateCurvatureStatsState,
     ScaleByKfacState,
     accumulate_curvature_stats,
+    flag_non_finite_stats,
     precondition,
     scale_by_kfac,
 )
@@ -82,6 +84,8 @@ __all__ = [
     "CurvatureStats",
     "ScaleByKfacState",
     "accumulate_curvature_stats",
+    "block_labels",
+    "flag_non_finite_stats",
     "precondition",
     "scale_by_kfac",
     "DEFAULT_GRAPH_PATTERNS",

@@ -23,14 +23,17 @@ once the last micro-batch has arrived.
 
 from __future__ import annotations
 
+import inspect
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
-from kfacx import _checks
+from kfacx import _checks, _partition
 from kfacx.estimator import BlockDiagonalCurvature, CurvatureStats, EstimatorState
 
 
@@ -39,7 +42,8 @@ class ScaleByKfacState(NamedTuple):
 
     Attributes:
       count: number of updates so far.
-      estimator_state: the curvature blocks' moving averages and cached inverses.
+      estimator_state: the curvature blocks' moving averages and cached inverses
+        (inside `optax.masked` / `optax.partition`: of the kept parameters' blocks only).
     """
 
     count: jax.Array
@@ -117,6 +121,65 @@ def precondition(
     return precon, state
 
 
+def _is_traced(value: Any) -> bool:
+    return isinstance(value, jax.core.Tracer)
+
+
+def _damping_schedule(damping: Any) -> Callable[[jax.Array], Any]:
+    """``count -> damping`` from a number, an array (`optax.inject_hyperparams` passes
+    its hyperparameters as arrays, traced under jit) or a schedule."""
+    if callable(damping):
+        return damping
+    if isinstance(damping, (jax.Array, np.ndarray)):
+        if np.shape(damping) != () or not jnp.issubdtype(jnp.result_type(damping), jnp.floating):
+            raise TypeError(f"damping must be a float scalar, got {damping!r}.")
+        if not _is_traced(damping):
+            _checks.check_damping(damping, "scale_by_kfac", allow_zero=False)
+        return lambda count: damping
+    return _checks.as_schedule(damping, "damping")
+
+
+def _checked_ema(curvature_ema: Any) -> Any:
+    if _is_traced(curvature_ema):
+        return curvature_ema
+    _checks.check_ema(curvature_ema)
+    return curvature_ema if isinstance(curvature_ema, jax.Array) else float(curvature_ema)
+
+
+def _checked_period(period: Any) -> Any:
+    """An int >= 1, or an int scalar array (`optax.inject_hyperparams`)."""
+    is_array = isinstance(period, (jax.Array, np.ndarray)) and np.shape(period) == ()
+    if is_array and jnp.issubdtype(jnp.result_type(period), jnp.integer):
+        if not _is_traced(period):
+            _checks.check_int(int(period), "inverse_update_period", minimum=1)
+        return period
+    return _checks.check_int(period, "inverse_update_period", minimum=1)
+
+
+#: The code of the functions of `optax.MultiSteps` that call the inner transformation.
+_MULTI_STEPS_CODE = frozenset(
+    getattr(optax.MultiSteps, name).__code__ for name in ("init", "update")
+)
+
+
+def _reject_multi_steps() -> None:
+    """Raises a ValueError when called (at any depth) from `optax.MultiSteps`."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        if frame.f_code in _MULTI_STEPS_CODE:
+            raise ValueError(
+                "scale_by_kfac cannot run inside optax.MultiSteps: MultiSteps averages the "
+                "gradients of its mini-steps but gives the inner transformation only the last "
+                "mini-step's curvature_stats, and discards the inner state of the others, so the "
+                "curvature statistics would not be accumulated. Accumulate both with "
+                "optax.experimental.aggregating.process(optax.with_extra_args_support("
+                "optax.identity()), kfacx.accumulate_curvature_stats(estimator, k), "
+                "<the K-FAC chain>, aggregator_has_aux=True) (docs/optax.md, 'Micro-batches'), "
+                "or use kfacx.Optimizer(..., num_microbatches=k)."
+            )
+        frame = frame.f_back
+
+
 def scale_by_kfac(
     estimator: BlockDiagonalCurvature,
     func_args: Sequence[Any],
@@ -136,6 +199,22 @@ def scale_by_kfac(
     applies the learning rate (and momentum), e.g. ``optax.sgd``. For weight
     decay ``l2``, put ``optax.add_decayed_weights(l2)`` before it and add
     ``l2`` to ``damping``: that is what `kfacx.Optimizer` does with ``l2_reg``.
+
+    It works inside optax's wrappers (docs/optax.md shows each):
+
+    - `optax.masked` and `optax.partition` / `optax.multi_transform`: it then
+      receives part of the gradient (the rest is `optax.MaskedNode`) and keeps
+      and preconditions only the blocks of those parameters, from the whole
+      model's ``curvature_stats``. A block's parameters must be kept or masked
+      together: `kfacx.block_labels` labels them block by block.
+    - `optax.inject_hyperparams`: ``damping``, ``curvature_ema`` and
+      ``inverse_update_period`` become hyperparameters that can be changed or
+      scheduled between steps (``estimator`` and ``func_args`` stay static).
+    - `optax.apply_if_finite`: a non-finite gradient skips the step and keeps
+      the state; `kfacx.flag_non_finite_stats` in front of it makes non-finite
+      statistics do the same.
+    - Not `optax.MultiSteps`, which would not accumulate the statistics (a
+      ValueError); use `kfacx.accumulate_curvature_stats`.
 
     Args:
       estimator: the curvature estimator of the loss function.
@@ -159,34 +238,48 @@ def scale_by_kfac(
       keyword argument ``curvature_stats`` (a `kfacx.CurvatureStats`).
 
     Raises:
-      ValueError: on a bad period or moving-average weight.
+      ValueError: on a bad period or moving-average weight; inside
+        `optax.MultiSteps`; on a mask that splits a block.
       TypeError: if ``estimator`` is not a `kfacx.BlockDiagonalCurvature`.
     """
     if not isinstance(estimator, BlockDiagonalCurvature):
         raise TypeError(
             f"scale_by_kfac: estimator must be a kfacx.BlockDiagonalCurvature, got {estimator!r}."
         )
-    damping_fn = _checks.as_schedule(damping, "damping")
-    ema = _checks.check_ema(curvature_ema)
-    period = _checks.check_int(inverse_update_period, "inverse_update_period", minimum=1)
+    damping_fn = _damping_schedule(damping)
+    ema = _checked_ema(curvature_ema)
+    period = _checked_period(inverse_update_period)
     func_args = tuple(func_args)
     estimator.set_up(func_args)
+    example_params = func_args[estimator.params_index]
     refresh_axis = pmap_axis_name if distributed_inverses else None
 
     def init_fn(params):
-        args = _replace_params(func_args, params, estimator.params_index)
-        return ScaleByKfacState(jnp.zeros((), jnp.int32), estimator.init(jax.random.key(0), args))
+        _reject_multi_steps()
+        if not _partition.has_masked_nodes(params):
+            args = _replace_params(func_args, params, estimator.params_index)
+            return ScaleByKfacState(
+                jnp.zeros((), jnp.int32), estimator.init(jax.random.key(0), args)
+            )
+        subset = _partition.BlockSubset(estimator, example_params, params)
+        state = subset.select(estimator.init(jax.random.key(0), func_args))
+        return ScaleByKfacState(jnp.zeros((), jnp.int32), state)
 
     def update_fn(updates, state, params=None, *, curvature_stats=None, **extra_args):
         del params, extra_args
+        _reject_multi_steps()
         if not isinstance(curvature_stats, CurvatureStats):
             raise TypeError(
                 "scale_by_kfac.update needs the keyword argument curvature_stats=..., the "
                 "kfacx.CurvatureStats from estimator.value_grads_and_curvature_stats; got "
                 f"{type(curvature_stats).__name__}."
             )
+        curvature = estimator
+        if _partition.has_masked_nodes(updates):
+            curvature = _partition.BlockSubset(estimator, example_params, updates)
+            curvature.check_state(state.estimator_state)
         precon, est = precondition(
-            estimator,
+            curvature,
             state.estimator_state,
             state.count,
             updates,
@@ -201,6 +294,43 @@ def scale_by_kfac(
         return precon, ScaleByKfacState(state.count + 1, est)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def flag_non_finite_stats() -> optax.GradientTransformationExtraArgs:
+    """Turns the updates into NaNs when the ``curvature_stats`` are not finite.
+
+    `optax.apply_if_finite` skips a step (and keeps its inner state) when the
+    *gradient* has a NaN or an infinity, but it does not look at the extra
+    arguments. Put this transformation in front of it, so that non-finite
+    curvature statistics skip the step as well::
+
+      tx = optax.chain(
+          kfacx.flag_non_finite_stats(),
+          optax.apply_if_finite(
+              optax.chain(kfacx.scale_by_kfac(estimator, (params, batch)), optax.sgd(0.1)),
+              max_consecutive_errors=5,
+          ),
+      )
+
+    Returns:
+      A stateless `optax.GradientTransformationExtraArgs` whose ``update``
+      takes the keyword argument ``curvature_stats`` and returns the updates
+      unchanged if all its entries are finite, and all-NaN updates otherwise.
+    """
+
+    def update_fn(updates, state, params=None, *, curvature_stats=None, **extra_args):
+        del params, extra_args
+        if not isinstance(curvature_stats, CurvatureStats):
+            raise TypeError(
+                "flag_non_finite_stats.update needs the keyword argument curvature_stats=... "
+                f"(a kfacx.CurvatureStats); got {type(curvature_stats).__name__}."
+            )
+        leaves = jax.tree_util.tree_leaves(curvature_stats)
+        finite = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(x)) for x in leaves]))
+        flagged = jax.tree_util.tree_map(lambda u: jnp.where(finite, u, math.nan), updates)
+        return flagged, state
+
+    return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update_fn)
 
 
 class AccumulateCurvatureStatsState(NamedTuple):
