@@ -176,9 +176,10 @@ class TrainState(train_state.TrainState):
         if not extra:
             return super().apply_gradients(grads=grads, **kwargs)
         # Flax's apply_gradients calls tx.update(grads, opt_state, params): run it with a
-        # tx that passes the extra arguments on, then put the original tx back.
+        # tx that passes the extra arguments on, then put the original (or a new) tx back.
         bound = self.replace(tx=_bind_extra_args(self.tx, extra))
-        return super(TrainState, bound).apply_gradients(grads=grads, **kwargs).replace(tx=self.tx)
+        new = super(TrainState, bound).apply_gradients(grads=grads, **kwargs)
+        return new.replace(tx=kwargs.get("tx", self.tx))
 
 
 # ----------------------------------------------------------------------------- NNX

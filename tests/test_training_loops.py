@@ -204,6 +204,9 @@ def test_trainstate_errors(linen_state):
     adam = kfacx.flax.TrainState.create(apply_fn=None, params=state.params, tx=optax.adam(0.1))
     with pytest.raises(TypeError, match="tx contains no kfacx.scale_by_kfac"):
         adam.apply_gradients(grads=grads, curvature_stats=stats)
+    flax_state = train_state.TrainState.create(apply_fn=None, params=state.params, tx=state.tx)
+    with pytest.raises(TypeError, match="needs the keyword argument curvature_stats"):
+        flax_state.apply_gradients(grads=grads)  # why kfacx.flax.TrainState exists
     with pytest.raises(TypeError, match="batch_stat"):  # a misspelt field, as in Flax
         jax.jit(
             lambda s: s.apply_gradients(grads=grads, curvature_stats=stats, batch_stat=batch_stats)
