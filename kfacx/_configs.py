@@ -15,7 +15,9 @@ import jax
 import numpy as np
 
 from kfacx._checks import Schedule, as_schedule, check_ema, check_int
-from kfacx.estimator import ESTIMATION_MODES
+from kfacx.blocks import check_norm_type
+from kfacx.blocks._base import APPROX_POWER_FIELDS
+from kfacx.estimator import ESTIMATION_MODES, BlockDiagonalCurvature
 
 # With the default curvature_batch_fraction=None, the curvature is estimated on
 # 1/8 of each batch but on at least this many examples.
@@ -50,6 +52,17 @@ class CurvatureConfig:
         `kfacx.BlockDiagonalCurvature`).
       auto_register_kwargs: arguments of `kfacx.auto_register_tags`.
       auto_register_tags: find layers automatically (False: hand-tagged only).
+      precon_power: the preconditioner is the damped curvature to this power,
+        ``p = (C + (damping + l2_reg) I)^precon_power g`` (kfac-jax; default -1,
+        the inverse; -0.5 the inverse square root). Without
+        ``use_exact_inverses`` it is -1 or -0.5 (factored damping, the cached
+        factors are the damped factors to this power); with it any negative power
+        (from the cached eigendecompositions).
+      norm_to_scale_identity_weight_per_block: None, or a norm of
+        `kfacx.blocks.NORM_TYPES` (kfac-jax's names): the preconditioner's damping
+        of every block is multiplied by that norm of the block's curvature
+        estimate (`kfacx.blocks.block_norm`; a block whose norm is 0 keeps the
+        plain damping). The quadratic model's damping is not scaled.
     """
 
     estimation_mode: str = "fisher_gradients"
@@ -63,8 +76,14 @@ class CurvatureConfig:
     layer_tag_to_block_ctor: Mapping[str, Callable[..., Any]] | None = None
     auto_register_kwargs: Mapping[str, Any] | None = None
     auto_register_tags: bool = True
+    precon_power: float = -1.0
+    norm_to_scale_identity_weight_per_block: str | None = None
 
     def __post_init__(self):
+        check_precon_power(self.precon_power, self.use_exact_inverses)
+        check_norm_type(
+            self.norm_to_scale_identity_weight_per_block, "norm_to_scale_identity_weight_per_block"
+        )
         if self.estimation_mode not in ESTIMATION_MODES:
             raise ValueError(
                 f"estimation_mode={self.estimation_mode!r}; choose one of {ESTIMATION_MODES}."
@@ -171,6 +190,37 @@ class DampingConfig:
         by it when ``rho < damping_lower_threshold``.
       include_damping_in_quad_change: whether the model change used for
         ``rho`` includes the damping term.
+      damping_adaptation_interval_start: the step (0-based) the adaptation
+        intervals start from: the damping is adapted at the steps ``t >= start``
+        with ``(t + 1 - start) % damping_adaptation_interval == 0``, never before
+        (default 0: at the steps ``interval - 1, 2 interval - 1, ...``).
+      precon_damping_mult: the preconditioner's damping is this times the damping
+        (kfac-jax); the quadratic model (adaptive learning rate and momentum,
+        ``rho``) and the adaptation use the damping itself.
+      precon_damping_schedule: ``global_step -> damping`` of the preconditioner
+        (a number or a schedule; kfac-jax): replaces ``precon_damping_mult`` times
+        the damping in the preconditioner; the quadratic model still uses the
+        (adapted, scheduled or given) damping.
+      use_step_rejection: reject a step that makes the loss on its batch (with
+        the ``l2_reg`` term) go up, i.e. whose reduction ratio ``rho`` is
+        negative when the quadratic model predicts a decrease (as kfac-jax): the
+        parameters and the velocities (the momentum) stay as they were; the
+        curvature estimate, the step counter, the data seen and the damping move
+        on as after any step (on an adaptation step a rejected step counts as a
+        ratio below ``damping_lower_threshold``: the damping grows). The loss is
+        evaluated at the new parameters on every step (with adaptive damping it
+        is anyway on adaptation steps), ``rho`` is reported on every step when
+        there is a quadratic model (adaptive learning rate or damping), and the
+        stats get ``rejected`` (True for a rejected step).
+      use_initial_damping_calibration: before the first step (after the
+        burn-in) adapt the initial damping to its first batch: starting from
+        ``initial_damping``, apply the Levenberg-Marquardt rule to the first
+        step's reduction ratio (computed for that damping, the step not taken)
+        until ``rho`` is between ``damping_lower_threshold`` and
+        ``damping_upper_threshold``, or the damping reaches ``min_damping`` /
+        ``max_damping``, or `CALIBRATION_STEPS` tries; if the ratio jumps over
+        that interval, the damping on its upper side (the larger one) is kept.
+        Needs ``use_adaptive_damping``.
     """
 
     use_adaptive_damping: bool = False
@@ -183,9 +233,15 @@ class DampingConfig:
     damping_lower_threshold: float = 0.25
     damping_upper_threshold: float = 0.75
     include_damping_in_quad_change: bool = False
+    damping_adaptation_interval_start: int = 0
+    precon_damping_mult: float = 1.0
+    precon_damping_schedule: float | Schedule | None = None
+    use_step_rejection: bool = False
+    use_initial_damping_calibration: bool = False
 
     def __post_init__(self):
         as_schedule(self.damping_schedule, "damping_schedule")
+        self._check_kfac_jax_extras()
         if self.use_adaptive_damping:
             if self.initial_damping is None:
                 raise ValueError("use_adaptive_damping=True needs initial_damping.")
@@ -204,6 +260,26 @@ class DampingConfig:
             )
         if not self.damping_lower_threshold < self.damping_upper_threshold:
             raise ValueError("damping_lower_threshold must be below damping_upper_threshold.")
+
+    def _check_kfac_jax_extras(self):
+        check_int(self.damping_adaptation_interval_start, "damping_adaptation_interval_start", 0)
+        as_schedule(self.precon_damping_schedule, "precon_damping_schedule")
+        mult = self.precon_damping_mult
+        if not (_is_number(mult) and math.isfinite(mult) and mult > 0):
+            raise ValueError(f"precon_damping_mult must be a positive number, got {mult!r}.")
+        if self.precon_damping_schedule is not None and mult != 1.0:
+            raise ValueError(
+                "Pass either precon_damping_schedule or precon_damping_mult, not both: the "
+                "schedule gives the preconditioner's damping itself."
+            )
+        if self.use_initial_damping_calibration and not self.use_adaptive_damping:
+            raise ValueError(
+                "use_initial_damping_calibration=True needs use_adaptive_damping=True (it "
+                "calibrates the initial damping of the adaptation)."
+            )
+        for name in ("use_step_rejection", "use_initial_damping_calibration"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,6 +308,32 @@ class BatchConfig:
         check_int(self.num_microbatches, "num_microbatches", minimum=1)
 
 
+#: The most damping values `DampingConfig.use_initial_damping_calibration` tries.
+CALIBRATION_STEPS = 30
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+
+def check_precon_power(power: Any, use_exact_inverses: bool) -> float:
+    """``precon_power`` as a float: negative, and -1 or -0.5 without exact inverses.
+
+    Raises:
+      ValueError: naming the value and what to use instead.
+    """
+    if not (_is_number(power) and math.isfinite(power) and power < 0):
+        raise ValueError(
+            f"precon_power must be a negative number (e.g. -1 or -0.5), got {power!r}."
+        )
+    if not use_exact_inverses and float(power) not in APPROX_POWER_FIELDS:
+        raise ValueError(
+            f"precon_power={power} needs use_exact_inverses=True: the factored (pi) "
+            f"damping serves the powers {sorted(APPROX_POWER_FIELDS)} only."
+        )
+    return float(power)
+
+
 CONFIGS = {
     "curvature": CurvatureConfig,
     "learning_rate": LearningRateConfig,
@@ -258,9 +360,6 @@ KFAC_JAX_ONLY = {
     "modifiable_attribute_exceptions": "kfacx optimizers have no finalize step",
     "invalid_metric_value": "stats of skipped steps are reported as computed, with skipped=True",
     "should_vmap_estimator_samples": "samples are always vmapped",
-    "norm_to_scale_identity_weight_per_block": "not supported",
-    "precon_power": "only the inverse (-1) is supported",
-    "damping_adaptation_interval_start": "not supported",
 }
 
 
@@ -305,3 +404,31 @@ def resolve_configs(
         if fields:
             configs[group] = dataclasses.replace(configs[group], **fields)
     return configs["curvature"], configs["learning_rate"], configs["damping"], configs["batch"]
+
+
+def make_estimator(value_func: Callable[..., Any], cfg: CurvatureConfig) -> BlockDiagonalCurvature:
+    """The curvature estimator of ``value_func`` for the options ``cfg``."""
+    power = (cfg.precon_power,)
+    return BlockDiagonalCurvature(
+        value_func,
+        params_index=0,
+        layer_tag_to_block_ctor=cfg.layer_tag_to_block_ctor,
+        default_estimation_mode=cfg.estimation_mode,
+        num_samples=cfg.num_estimator_samples,
+        exact_powers_to_cache=power if cfg.use_exact_inverses else (),
+        approx_powers_to_cache=() if cfg.use_exact_inverses else power,
+        auto_register_tags=cfg.auto_register_tags,
+        auto_register_kwargs=cfg.auto_register_kwargs,
+        norm_to_scale_identity_weight_per_block=cfg.norm_to_scale_identity_weight_per_block,
+    )
+
+
+def schedules(learning_rate: LearningRateConfig, damping: DampingConfig) -> tuple:
+    """The learning rate, momentum, damping and preconditioner damping schedules (None
+    where there is none)."""
+    return (
+        as_schedule(learning_rate.learning_rate_schedule, "learning_rate_schedule"),
+        as_schedule(learning_rate.momentum_schedule, "momentum_schedule"),
+        as_schedule(damping.damping_schedule, "damping_schedule"),
+        as_schedule(damping.precon_damping_schedule, "precon_damping_schedule"),
+    )

@@ -51,22 +51,48 @@ def levenberg_marquardt(config: DampingConfig, damping: jax.Array, ratio: jax.Ar
     return jnp.clip(d, config.min_damping, config.max_damping)
 
 
+def is_adaptation_step(config: DampingConfig, step: Any) -> Any:
+    """Whether the damping is adapted at (0-based) step ``step``: every
+    ``damping_adaptation_interval`` steps counted from ``damping_adaptation_interval_start``
+    (the last step of each interval), never before it."""
+    interval, start = config.damping_adaptation_interval, config.damping_adaptation_interval_start
+    if not start:
+        return (step + 1) % interval == 0
+    return (step >= start) & ((step + 1 - start) % interval == 0)
+
+
 def adapt_damping(
     config: DampingConfig,
     damping: jax.Array,
     step: jax.Array,
     reduction_ratio: Callable[[], jax.Array],
+    force: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-    """``(new_damping, ratio)``: every ``damping_adaptation_interval`` steps the
-    `levenberg_marquardt` update from ``reduction_ratio()`` (computed only then, in
-    a `jax.lax.cond`); ``(damping, nan)`` otherwise."""
-    adapt = (step + 1) % config.damping_adaptation_interval == 0
+    """``(new_damping, ratio)``: on the steps of `is_adaptation_step` (or always, with
+    ``force``) the `levenberg_marquardt` update from ``reduction_ratio()`` (computed
+    only then, in a `jax.lax.cond`); ``(damping, nan)`` otherwise."""
+    if force:
+        ratio = reduction_ratio()
+        return levenberg_marquardt(config, damping, ratio), ratio
+    adapt = is_adaptation_step(config, step)
 
     def adapted(_):
         ratio = reduction_ratio()
         return levenberg_marquardt(config, damping, ratio), ratio
 
     return jax.lax.cond(adapt, adapted, lambda _: (damping, jnp.asarray(jnp.nan)), None)
+
+
+def precon_damping(
+    config: DampingConfig, damping: jax.Array, schedule: Schedule | None, step: Any
+) -> jax.Array:
+    """The preconditioner's damping: ``precon_damping_schedule``'s at ``step``, else
+    ``precon_damping_mult`` times ``damping`` (``damping`` itself for a multiplier of 1)."""
+    if schedule is not None:
+        return jnp.asarray(schedule(step), jnp.float32)
+    if config.precon_damping_mult != 1.0:
+        return damping * config.precon_damping_mult
+    return damping
 
 
 def positive_or_nan(damping: jax.Array) -> jax.Array:

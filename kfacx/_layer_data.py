@@ -21,8 +21,13 @@ import jax.numpy as jnp
 class LayerTagsVjp:
     """The vjp returned by `layer_tags_vjp`: loss cotangents -> per-layer estimation data."""
 
-    def __init__(self, tangents_fn, records, use_to_layer, use_scans=None, roles=None):
+    def __init__(
+        self, tangents_fn, records, use_to_layer, use_scans=None, roles=None, value_tangents=None
+    ):
         self._tangents_fn = tangents_fn
+        # Per use: the cotangents of its outputs in the gradient of the function's value
+        # (from `value_and_grad_and_layer_tags_vjp`), or None.
+        self._value_tangents = value_tangents
         self._records = records
         self._use_to_layer = use_to_layer
         # Per use: (lengths of the scans it sits in, the level of the one stacking it or None).
@@ -99,6 +104,25 @@ class LayerTagsVjp:
             tangents = jax.tree_util.tree_map(lambda t: t[None], single)
         else:
             tangents = jax.vmap(self.tangents)(loss_cotangents)
+        return self._data(tangents, 1, example_mask)
+
+    def value_gradient(self, scale: Any, example_mask: jax.Array | None = None) -> tuple[dict, ...]:
+        """As `sampled` with one sample, the cotangents of every layer's outputs being
+        ``scale`` times their cotangents in the gradient of the function's value (the
+        ``fisher_empirical_direct`` estimation mode; ``scale`` the batch size, each
+        example's row is then the gradient of its own term of a mean loss).
+
+        Raises:
+          ValueError: if this vjp was not made by `value_and_grad_and_layer_tags_vjp`.
+        """
+        if self._value_tangents is None:
+            raise ValueError(
+                "This LayerTagsVjp has no gradient of the function's value; the "
+                "fisher_empirical_direct mode needs value_and_grad_and_layer_tags_vjp."
+            )
+        tangents = jax.tree_util.tree_map(
+            lambda t: (scale * t).astype(t.dtype)[None], self._value_tangents
+        )
         return self._data(tangents, 1, example_mask)
 
 

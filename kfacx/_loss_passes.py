@@ -234,7 +234,9 @@ class BatchPasses:
         m = _subset_size(chunk, fraction)
         sub = jax.tree.map(lambda x: x[:m], chunk)
         args = self.call.args(params, func_state, model_rng, sub)
-        return self.estimator.compute_curvature_stats(curv_rng, args, example_mask=self.mask(sub))
+        return self.estimator.compute_curvature_stats(
+            curv_rng, args, example_mask=self.mask(sub), has_aux=self.call.has_aux_output
+        )
 
     def _aux_shape(self, params, func_state, rng, batch):
         """Zeros shaped like ``func``'s aux output on one micro-batch (scan carry)."""

@@ -41,20 +41,23 @@ def momentum_value(given: Any, schedule: Schedule | None, step: Any) -> jax.Arra
 
 
 class QuadraticModel(NamedTuple):
-    """The model ``m(c) = 0.5 c^T (gram + w norms) c + linear^T c`` of the change of
-    the loss along the step ``c[0] p + c[1] v`` (``p`` the preconditioned gradient,
-    ``v`` the previous update; ``w`` a weight of the identity).
+    """The model ``m(c) = 0.5 c^T (gram + w norms + regularizer) c + linear^T c`` of the
+    change of the loss along the step ``c[0] p + c[1] v`` (``p`` the preconditioned
+    gradient, ``v`` the previous update; ``w`` a weight of the identity).
 
     Attributes:
       gram: ``[2, 2]`` exact curvature products of ``p`` and ``v``, or None when
         neither the learning rate nor the damping is adaptive (not computed).
       norms: ``[2, 2]`` inner products of ``p`` and ``v``.
       linear: ``[2]`` inner products of the gradient with ``p`` and ``v``.
+      regularizer: ``[2, 2]`` curvature of an ``l2_reg`` term on part of the
+        parameters (`kfacx._l2`), or None (``l2_reg`` is then in ``w``).
     """
 
     gram: jax.Array | None
     norms: jax.Array
     linear: jax.Array
+    regularizer: jax.Array | None = None
 
 
 def direction_norms(precon: Any, velocity: Any) -> jax.Array:
@@ -81,6 +84,7 @@ def adaptive_coefficients(
     identity_weight: jax.Array,
     momentum: Callable[[], jax.Array] | None,
     momentum_bounds: tuple[float, float] | None,
+    regularizer: jax.Array | None = None,
 ) -> tuple[jax.Array, QuadraticModel]:
     """The coefficients minimising the damped quadratic model (the curvature plus
     ``identity_weight`` times the identity), and the model.
@@ -93,6 +97,7 @@ def adaptive_coefficients(
       momentum: None to solve for the momentum too (within ``momentum_bounds``),
         else a function giving the fixed momentum (only the learning rate is solved).
       momentum_bounds: ``(low, high)`` or None (see `kfacx.LearningRateConfig`).
+      regularizer: see `QuadraticModel` (``identity_weight`` is then the damping).
 
     Returns:
       ``(coefficients, model)``: the learning rate is ``-coefficients[0]``, the
@@ -100,6 +105,8 @@ def adaptive_coefficients(
     """
     norms = direction_norms(precon, velocity)
     damped = gram + identity_weight * norms
+    if regularizer is not None:
+        damped = damped + regularizer
     b = gradient_projections(grads, precon, velocity)
     if momentum is None:
         coeffs = solve_2x2(damped, b, momentum_bounds)
@@ -107,7 +114,7 @@ def adaptive_coefficients(
         mom = momentum()
         c0 = -(b[0] + damped[0, 1] * mom) / _safe(damped[0, 0])
         coeffs = jnp.stack([c0, jnp.asarray(mom, jnp.float32)])
-    return coeffs, QuadraticModel(gram, norms, b)
+    return coeffs, QuadraticModel(gram, norms, b, regularizer)
 
 
 def constrain_norm(precon: Any, grads: Any, learning_rate: jax.Array, norm_constraint: float):
@@ -125,11 +132,12 @@ def fixed_coefficients(
     grads: Any,
     precon: Any,
     velocity: Any,
+    regularizer: jax.Array | None = None,
 ) -> tuple[jax.Array, QuadraticModel]:
     """The coefficients ``[-learning_rate, momentum]`` and the quadratic model."""
     norms = direction_norms(precon, velocity)
     b = gradient_projections(grads, precon, velocity)
-    return jnp.stack([-learning_rate, momentum]), QuadraticModel(gram, norms, b)
+    return jnp.stack([-learning_rate, momentum]), QuadraticModel(gram, norms, b, regularizer)
 
 
 def solve_2x2(m: jax.Array, b: jax.Array, bounds: Sequence[float] | None = None) -> jax.Array:
@@ -165,7 +173,10 @@ def update_direction(coeffs: jax.Array, precon: Any, velocity: Any) -> Any:
 
 def quadratic_model_change(model: QuadraticModel, coeffs: jax.Array, weight: Any) -> jax.Array:
     """``m(coeffs)`` with identity weight ``weight`` (see `QuadraticModel`)."""
-    return 0.5 * coeffs @ (model.gram + weight * model.norms) @ coeffs + coeffs @ model.linear
+    if model.regularizer is None:
+        return 0.5 * coeffs @ (model.gram + weight * model.norms) @ coeffs + coeffs @ model.linear
+    curvature = model.gram + weight * model.norms + model.regularizer
+    return 0.5 * coeffs @ curvature @ coeffs + coeffs @ model.linear
 
 
 def _safe(x: jax.Array) -> jax.Array:

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kfacx import linalg
+from kfacx import _identity_weights, linalg
 from kfacx.blocks import BlockState, CurvatureBlock, InverseRefresh
 from kfacx.parallel import _distributed
 
@@ -62,10 +62,12 @@ class RefreshPlan(NamedTuple):
 def plan(
     blocks: Sequence[CurvatureBlock], states: Sequence[BlockState], identity_weight: Any
 ) -> RefreshPlan:
-    """Splits the refresh of ``blocks`` into bucket units and per-block units."""
+    """Splits the refresh of ``blocks`` into bucket units and per-block units
+    (``identity_weight``: one for all blocks, or one per block)."""
+    weights = _identity_weights.per_block(identity_weight, len(blocks))
     inverse_plans = [
-        b.inverse_refresh(s, identity_weight) if BATCH_INVERSES else None
-        for b, s in zip(blocks, states, strict=True)
+        b.inverse_refresh(s, w) if BATCH_INVERSES else None
+        for b, s, w in zip(blocks, states, weights, strict=True)
     ]
     owner_block = [i for i, p in enumerate(inverse_plans) if p is not None for _ in p.matrices]
     matrices = [m for p in inverse_plans if p is not None for m in p.matrices]
@@ -105,7 +107,7 @@ def plan(
         unit_blocks.append(tuple(sorted({owner_block[k] for k in chosen})))
     own = [i for i, p in enumerate(inverse_plans) if p is None]
     for i in own:
-        runs.append(lambda b=blocks[i], s=states[i]: b.update_cache(s, identity_weight).cache)
+        runs.append(lambda b=blocks[i], s=states[i], w=weights[i]: b.update_cache(s, w).cache)
         costs.append(_distributed.refresh_cost(blocks[i]))
         unit_blocks.append((i,))
 

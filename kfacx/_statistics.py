@@ -4,7 +4,9 @@
 
 * `loss_cotangents`: the cotangents of the registered losses per estimation mode
   (`ESTIMATION_MODES`: sampled, empirical, curvature propagation or exact), which the
-  tracer's vjp pulls back to every layer;
+  tracer's vjp pulls back to every layer (``fisher_empirical_direct`` takes the
+  layers' cotangents from the gradient of the function's value instead);
+* `curvature_stats`: all blocks' statistics of one batch, per estimation mode;
 * `block_statistics`: a block's statistics of one batch (`CurvatureStats` holds all
   blocks'), with the coverage of a layer used only in `lax.cond` branches;
 * `weighted_mean_stats`: their average over a device axis;
@@ -25,7 +27,14 @@ import jax.numpy as jnp
 from kfacx.losses import LossFunction
 from kfacx.parallel import _reductions
 
-#: Estimation modes understood by `BlockDiagonalCurvature`.
+#: Estimation modes understood by `BlockDiagonalCurvature` (kfac-jax's names): the
+#: Fisher from sampled targets (``fisher_gradients``), the empirical Fisher from the
+#: observed targets of the registered losses (``fisher_empirical``), curvature
+#: propagation with random signs (``fisher_curvature_prop``, ``ggn_curvature_prop``),
+#: the exact Fisher / Gauss-Newton from all output directions (``fisher_exact``,
+#: ``ggn_exact``), and the empirical Fisher of the per-example gradients of the
+#: function's own value, from the backward pass of its gradient
+#: (``fisher_empirical_direct``).
 ESTIMATION_MODES = (
     "fisher_gradients",
     "fisher_empirical",
@@ -33,7 +42,13 @@ ESTIMATION_MODES = (
     "ggn_curvature_prop",
     "fisher_exact",
     "ggn_exact",
+    "fisher_empirical_direct",
 )
+
+#: The estimation mode whose layer cotangents are the per-example gradients of the
+#: function's value itself (from the backward pass of its gradient), not of the
+#: registered losses.
+DIRECT_MODE = "fisher_empirical_direct"
 
 
 class CurvatureStats(NamedTuple):
@@ -57,6 +72,18 @@ class CurvatureStats(NamedTuple):
     batch_size: jax.Array
 
 
+def zero_stats(
+    blocks: Sequence[Any], coverage_shapes: Sequence[tuple[int, ...] | None]
+) -> CurvatureStats:
+    """Statistics of zero batches (zeros shaped like every block's factors)."""
+    stats = tuple(
+        tuple(jnp.zeros(s, b.dtype) for s in b.factor_shapes())
+        + (() if c is None else (jnp.zeros(c, jnp.float32),))
+        for b, c in zip(blocks, coverage_shapes, strict=True)
+    )
+    return CurvatureStats(stats, jnp.zeros((), jnp.float32))
+
+
 def weighted_mean_stats(stats: CurvatureStats, axis_name: str) -> CurvatureStats:
     """The average of ``stats`` over a device axis, weighted by their batch sizes
     (`kfacx.parallel._reductions.weighted_mean`)."""
@@ -64,9 +91,64 @@ def weighted_mean_stats(stats: CurvatureStats, axis_name: str) -> CurvatureStats
 
 
 def check_mode(mode: str) -> str:
+    """``mode``, checked to be one of `ESTIMATION_MODES`.
+
+    Raises:
+      ValueError: naming the mode and the choices.
+    """
     if mode not in ESTIMATION_MODES:
         raise ValueError(f"Unknown estimation_mode={mode!r}; choose one of {ESTIMATION_MODES}.")
     return mode
+
+
+def curvature_stats(
+    blocks: Sequence[Any],
+    coverage_shapes: Sequence[tuple[int, ...] | None],
+    losses: Sequence[LossFunction],
+    vjp: Any,
+    mode: str,
+    rng: jax.Array,
+    num_samples: int,
+    batch_size: Any,
+    example_mask: jax.Array | None,
+) -> CurvatureStats:
+    """Every block's statistics of one batch (see `kfacx.BlockDiagonalCurvature`).
+
+    Args:
+      blocks, coverage_shapes: the estimator's blocks and their coverage shapes.
+      losses, vjp: the registered losses and the tracer's `LayerTagsVjp`.
+      mode: one of `ESTIMATION_MODES`. In `DIRECT_MODE` the cotangents of every
+        layer's outputs are ``batch_size`` times the gradient of the function's value
+        (``vjp.value_gradient``): each example's row is the gradient of its own term
+        when the value is the mean over the (real) examples.
+      rng, num_samples: for the sampling modes.
+      batch_size: the normaliser; None: the mask's sum, else the registered losses'.
+      example_mask: ``[batch]`` weights of the examples, or None.
+    """
+    if mode == DIRECT_MODE:
+        if example_mask is not None:
+            example_mask = check_mask(example_mask, losses)
+        batch_size = _batch_size(batch_size, losses, example_mask)
+        data = vjp.value_gradient(jnp.asarray(batch_size, jnp.float32), example_mask)
+    else:
+        cotangents = loss_cotangents(losses, mode, rng, num_samples)
+        if example_mask is not None:
+            example_mask = check_mask(example_mask, losses)
+            cotangents = tuple(mask_leading(c, example_mask, axis=1) for c in cotangents)
+        batch_size = _batch_size(batch_size, losses, example_mask)
+        data = vjp.sampled(cotangents, example_mask)
+    safe = jnp.maximum(jnp.asarray(batch_size, jnp.float32), 1e-12)
+    stats = tuple(
+        block_statistics(block, d, safe, c)
+        for block, d, c in zip(blocks, data, coverage_shapes, strict=True)
+    )
+    return CurvatureStats(stats, jnp.asarray(batch_size, jnp.float32))
+
+
+def _batch_size(batch_size: Any, losses: Sequence[LossFunction], mask: jax.Array | None) -> Any:
+    if batch_size is None and mask is not None:
+        batch_size = jnp.sum(mask)
+    return losses[0].batch_size if batch_size is None else batch_size
 
 
 def loss_cotangents(

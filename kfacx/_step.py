@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from kfacx import _checks, _damping, _quadratic_model, _tree
 from kfacx._checks import Schedule
 from kfacx._configs import CurvatureConfig, DampingConfig, LearningRateConfig
+from kfacx._l2 import Regularization
 from kfacx._loss_passes import BatchPasses
 from kfacx.estimator import weighted_mean_stats
 from kfacx.parallel._placement import Placement
@@ -43,8 +44,9 @@ class KfacStep:
 
     Attributes:
       curvature, learning_rate, damping: the optimizer's configs.
-      l2_reg: the weight decay.
-      schedules: ``(learning_rate, momentum, damping)`` schedules, or None each.
+      regularization: ``l2_reg`` and the parameters it leaves out (`kfacx._l2`).
+      schedules: ``(learning_rate, momentum, damping, precon_damping)`` schedules,
+        or None each.
       passes: the passes over the batch (they hold the estimator).
       placement: where the step runs (its device axis, the inverses' refresh).
       init: ``(params, rng, batch, func_state) -> state``, for checking the state.
@@ -53,11 +55,16 @@ class KfacStep:
     curvature: CurvatureConfig
     learning_rate: LearningRateConfig
     damping: DampingConfig
-    l2_reg: float
-    schedules: tuple[Schedule | None, Schedule | None, Schedule | None]
+    regularization: Regularization
+    schedules: tuple[Schedule | None, ...]
     passes: BatchPasses
     placement: Placement
     init: Callable[..., Any]
+
+    @property
+    def l2_reg(self) -> float:
+        """The weight decay."""
+        return self.regularization.l2_reg
 
     def __call__(
         self,
@@ -72,40 +79,107 @@ class KfacStep:
         global_step_int=None,
     ):
         """One step; see `kfacx.Optimizer.unstaged_step`."""
+        return self._run(
+            params, state, rng, batch, func_state, learning_rate, momentum, damping, global_step_int
+        )
+
+    def calibration_ratio(
+        self,
+        params,
+        state,
+        rng,
+        batch,
+        func_state=None,
+        damping_value=None,
+        learning_rate=None,
+        momentum=None,
+        global_step_int=None,
+    ):
+        """The reduction ratio of the step with the damping ``damping_value`` (the step
+        itself is not taken; for ``use_initial_damping_calibration``)."""
+        state = state._replace(damping=jnp.asarray(damping_value, jnp.float32))
+        out = self._run(
+            params,
+            state,
+            rng,
+            batch,
+            func_state,
+            learning_rate,
+            momentum,
+            None,
+            global_step_int,
+            True,
+        )
+        return out[-1]["rho"]
+
+    def _run(
+        self,
+        params,
+        state,
+        rng,
+        batch,
+        func_state,
+        learning_rate,
+        momentum,
+        damping,
+        global_step_int,
+        force_adapt=False,
+    ):
         self._check_inputs(params, state, rng, batch, func_state)
         step = state.step_counter
         global_step = step if global_step_int is None else global_step_int
         update_curvature = step % self.curvature.curvature_update_period == 0
+        mask = self.regularization.leaf_mask(params)
         loss, grads, stats, new_func_state, aux = self._value_grads_stats(
-            params, func_state, rng, batch, update_curvature
+            params, func_state, rng, batch, update_curvature, mask
         )
         lam = _damping.choose_damping(
             self.damping, state.damping, damping, self.schedules[2], global_step
         )
+        precon_lam = _damping.precon_damping(self.damping, lam, self.schedules[3], global_step)
         identity_weight = lam + self.l2_reg
         precon, est_state = self._precondition(
-            state, grads, stats, identity_weight, update_curvature
+            state,
+            grads,
+            stats,
+            self._precon_weight(identity_weight, precon_lam, lam, params, mask),
+            update_curvature,
         )
         coeffs, lr, mom, model, precon = self._coefficients(
             grads,
             precon,
             state.velocities,
-            identity_weight,
+            identity_weight if mask is None else lam,
             self._gram_of(params, func_state, rng, batch),
             learning_rate,
             momentum,
             global_step,
+            mask,
         )
         delta = _quadratic_model.update_direction(coeffs, precon, state.velocities)
         new_params = jax.tree.map(lambda p, d: p + d, params, delta)
         loss_at_new_params = functools.partial(
             self.passes.loss_at, new_params, func_state, rng, batch
         )
-        quad_change, new_damping, rho = self._adapt_damping(
-            state, model, coeffs, lam, loss, params, new_params, loss_at_new_params
+        quad_change, new_damping, rho, rejected = self._adapt_damping(
+            state,
+            model,
+            coeffs,
+            lam,
+            loss,
+            params,
+            new_params,
+            loss_at_new_params,
+            mask,
+            force_adapt,
         )
+        velocities = delta
+        if rejected is not None:
+            new_params, velocities = _tree.keep_unless(
+                ~rejected, (new_params, delta), (params, state.velocities)
+            )
         new_state = state._replace(
-            velocities=delta,
+            velocities=velocities,
             estimator_state=est_state,
             damping=jnp.asarray(new_damping, jnp.float32),
             data_seen=state.data_seen + self.passes.examples_seen(batch, self.placement.axis_name),
@@ -115,7 +189,7 @@ class KfacStep:
         finite, (new_params, new_state, new_func_state) = _guard(
             loss,
             sq_norms,
-            lam,
+            lam if precon_lam is lam else (lam, precon_lam),
             stats,
             new=(new_params, new_state, new_func_state),
             old=(params, state, func_state),
@@ -123,11 +197,24 @@ class KfacStep:
         stats_out = _step_stats(
             loss, lr, mom, lam, rho, quad_change, sq_norms, step, new_state, finite
         )
+        if rejected is not None:
+            stats_out["rejected"] = rejected & finite
         if self.passes.call.has_aux:
             stats_out["aux"] = aux
         if self.passes.call.has_state:
             return new_params, new_state, new_func_state, stats_out
         return new_params, new_state, stats_out
+
+    def _precon_weight(self, identity_weight, precon_lam, lam, params, mask):
+        """The preconditioner's identity weight: its damping plus ``l2_reg``, without
+        ``l2_reg`` for the blocks none of whose parameters is regularized."""
+        if mask is None:
+            return identity_weight if precon_lam is lam else precon_lam + self.l2_reg
+        flags = self.regularization.block_flags(self.passes.estimator, params, mask)
+        with_l2 = precon_lam + self.l2_reg
+        if all(flags):
+            return with_l2
+        return tuple(with_l2 if f else precon_lam for f in flags)
 
     def _gram_of(self, params, func_state, rng, batch):
         """``vectors -> [k, k]`` exact curvature products, averaged over the devices."""
@@ -148,10 +235,11 @@ class KfacStep:
     def _pmean(self, tree):
         return jax.lax.pmean(tree, self.placement.axis_name)
 
-    def _value_grads_stats(self, params, func_state, rng, batch, update_curvature):
-        """Loss, gradient (with ``l2_reg``), curvature statistics, the function's new
-        state and aux, averaged over the devices (statistics only when
-        ``update_curvature``, every ``curvature_update_period`` steps)."""
+    def _value_grads_stats(self, params, func_state, rng, batch, update_curvature, mask):
+        """Loss, gradient (with ``l2_reg`` on the parameters ``mask`` selects),
+        curvature statistics, the function's new state and aux, averaged over the
+        devices (statistics only when ``update_curvature``, every
+        ``curvature_update_period`` steps)."""
         passes, axis = self.passes, self.placement.axis_name
         if self.curvature.curvature_update_period == 1:
             out = passes.value_grads_stats(params, func_state, rng, batch, True)
@@ -167,8 +255,7 @@ class KfacStep:
             stats = weighted_mean_stats(stats, axis)
             if new_func_state is not None:
                 new_func_state = self._pmean(new_func_state)
-        if self.l2_reg:
-            grads = _tree.tree_axpy(self.l2_reg, params, grads)
+        grads = self.regularization.add_to_gradient(grads, params, mask)
         return loss, grads, stats, new_func_state, aux
 
     def _precondition(self, state, grads, stats, identity_weight, update_curvature):
@@ -187,16 +274,23 @@ class KfacStep:
             use_exact_inverses=cfg.use_exact_inverses,
             update_curvature=True if cfg.curvature_update_period == 1 else update_curvature,
             refresh=lambda e, w: self.placement.refresh(est.update_cache, e, w),
+            power=cfg.precon_power,
         )
 
     def _coefficients(
-        self, grads, precon, velocity, identity_weight, gram_of, learning_rate, momentum, step
+        self, grads, precon, velocity, identity_weight, gram_of, learning_rate, momentum, step, mask
     ):
         """``(coefficients, learning_rate, momentum, quadratic model, precon)`` of the
         update ``coefficients[0] * precon + coefficients[1] * velocity``: solved on the
-        quadratic model, or given (``precon`` then scaled by the norm constraint)."""
+        quadratic model, or given (``precon`` then scaled by the norm constraint). With
+        ``mask`` (some parameters not regularized) ``identity_weight`` is the damping
+        alone and the model's regularizer is ``l2_reg`` on the regularized leaves."""
         lr_cfg, qm = self.learning_rate, _quadratic_model
-        lr_schedule, momentum_schedule, _ = self.schedules
+        lr_schedule, momentum_schedule = self.schedules[:2]
+
+        def regularizer(p):
+            return None if mask is None else self.regularization.masked_norms(p, velocity, mask)
+
         if lr_cfg.use_adaptive_learning_rate:
             fixed_momentum = None
             if not lr_cfg.use_adaptive_momentum:
@@ -209,6 +303,7 @@ class KfacStep:
                 identity_weight,
                 fixed_momentum,
                 lr_cfg.momentum_bounds,
+                regularizer(precon),
             )
             return coeffs, -coeffs[0], coeffs[1], model, precon
         lr = qm.learning_rate_value(learning_rate, lr_schedule, step)
@@ -218,36 +313,63 @@ class KfacStep:
         gram = None
         if self.damping.use_adaptive_damping:
             gram = gram_of([precon, velocity])
-        coeffs, model = qm.fixed_coefficients(lr, mom, gram, grads, precon, velocity)
+        reg = None if gram is None else regularizer(precon)
+        coeffs, model = qm.fixed_coefficients(lr, mom, gram, grads, precon, velocity, reg)
         return coeffs, lr, mom, model, precon
 
-    def _adapt_damping(self, state, model, coeffs, lam, loss, params, new_params, loss_at):
-        """``(quadratic model change, new damping, reduction ratio rho)``: NaN for what
-        is not computed (no quadratic model: neither adaptive learning rate nor damping;
-        no ratio: not adaptive, or not a step of the ``damping_adaptation_interval``)."""
+    def _adapt_damping(
+        self, state, model, coeffs, lam, loss, params, new_params, loss_at, mask, force
+    ):
+        """``(quadratic model change, new damping, reduction ratio rho, rejected)``: NaN
+        for what is not computed (no quadratic model: neither adaptive learning rate nor
+        damping; no ratio: not adaptive, or not an adaptation step, unless the steps are
+        checked for rejection); ``rejected`` None unless ``use_step_rejection``."""
         damp_cfg = self.damping
+        quad_change = jnp.nan
+        if model.gram is not None:
+            quad_weight = 0.0 if mask is not None else self.l2_reg
+            quad_weight = quad_weight + (lam if damp_cfg.include_damping_in_quad_change else 0.0)
+            quad_change = _quadratic_model.quadratic_model_change(model, coeffs, quad_weight)
+        if damp_cfg.use_step_rejection:
+            return self._check_step(state, quad_change, loss, params, new_params, loss_at, mask)
         if model.gram is None:
-            return jnp.nan, state.damping, jnp.nan
-        quad_weight = self.l2_reg + (lam if damp_cfg.include_damping_in_quad_change else 0.0)
-        quad_change = _quadratic_model.quadratic_model_change(model, coeffs, quad_weight)
+            return jnp.nan, state.damping, jnp.nan, None
         if not damp_cfg.use_adaptive_damping:
-            return quad_change, state.damping, jnp.nan
+            return quad_change, state.damping, jnp.nan, None
 
         def reduction_ratio():
-            new_loss = loss_at()
-            if self.placement.axis_name is not None:
-                new_loss = self._pmean(new_loss)
-            reg = (
-                0.5
-                * self.l2_reg
-                * (_tree.tree_dot(new_params, new_params) - _tree.tree_dot(params, params))
-            )
-            return (new_loss - loss + reg) / quad_change
+            return self._actual_change(loss_at, loss, params, new_params, mask) / quad_change
 
         new_damping, rho = _damping.adapt_damping(
-            damp_cfg, state.damping, state.step_counter, reduction_ratio
+            damp_cfg, state.damping, state.step_counter, reduction_ratio, force
         )
-        return quad_change, new_damping, rho
+        return quad_change, new_damping, rho, None
+
+    def _check_step(self, state, quad_change, loss, params, new_params, loss_at, mask):
+        """`_adapt_damping` with ``use_step_rejection``: the actual change of the objective
+        on every step; the step is rejected unless it is <= 0 (``rho < 0`` when the model
+        predicts a decrease), and a rejected step counts as a ratio below
+        ``damping_lower_threshold`` in the adaptation (the damping grows)."""
+        change = self._actual_change(loss_at, loss, params, new_params, mask)
+        rho = change / quad_change
+        rejected = ~(change <= 0)
+        new_damping = state.damping
+        if self.damping.use_adaptive_damping:
+            below = self.damping.damping_lower_threshold - 1.0
+            ratio = jnp.where(rejected, below, rho)
+            new_damping, _ = _damping.adapt_damping(
+                self.damping, state.damping, state.step_counter, lambda: ratio
+            )
+        return quad_change, new_damping, rho, rejected
+
+    def _actual_change(self, loss_at, loss, params, new_params, mask):
+        """The change of the loss plus ``0.5 l2_reg |theta_R|^2`` over the step (on the
+        step's batch, averaged over the devices)."""
+        new_loss = loss_at()
+        if self.placement.axis_name is not None:
+            new_loss = self._pmean(new_loss)
+        reg = self.regularization.penalty_change(new_params, params, mask)
+        return new_loss - loss + reg
 
 
 def _guard(loss, sq_norms, lam, stats, new, old):
@@ -266,7 +388,12 @@ def _guard(loss, sq_norms, lam, stats, new, old):
     _, new_state, new_func_state = new
     params, state, func_state = old
     grad_sq, _, update_sq = sq_norms
-    positive = _damping.positive_or_nan(lam)  # a damping <= 0 counts as non-finite
+    # A damping <= 0 (also of the preconditioner's, ``lam = (damping, precon_damping)``)
+    # counts as non-finite.
+    if isinstance(lam, tuple):
+        positive = _damping.positive_or_nan(lam[0]) + _damping.positive_or_nan(lam[1])
+    else:
+        positive = _damping.positive_or_nan(lam)
     checked = (loss, grad_sq, update_sq, new_state.damping, positive, stats.blocks)
     old_func_state = None if new_func_state is None else func_state
     return _tree.guard_non_finite((*checked, new_func_state), new, (params, state, old_func_state))

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
-from kfacx import _checks, _refresh, _statistics, graph_matcher, tracer
+from kfacx import _checks, _identity_weights, _refresh, _statistics, graph_matcher, tracer
 from kfacx import blocks as blocks_lib
 from kfacx._statistics import ESTIMATION_MODES, CurvatureStats, weighted_mean_stats
 from kfacx.losses import LossFunction
@@ -66,9 +63,14 @@ class BlockDiagonalCurvature:
         kept. With False, every parameter must be tagged by hand.
       auto_register_kwargs: keyword arguments of `auto_register_tags`
         (``graph_patterns``, ``on_unmatched``).
+      norm_to_scale_identity_weight_per_block: None, or a norm of
+        `kfacx.blocks.NORM_TYPES` (as kfac-jax): the identity weight of every
+        block (in `update_cache` and the products) is multiplied by that norm of
+        the block's curvature (`kfacx.blocks.block_norm`), so that the damping
+        follows each block's scale.
 
     Raises:
-      ValueError: on an unknown estimation mode or a bad ``num_samples``.
+      ValueError: on an unknown estimation mode or norm, or a bad ``num_samples``.
       TypeError: if a block constructor is not callable.
 
     Example::
@@ -93,6 +95,7 @@ class BlockDiagonalCurvature:
         cache_eigenvalues: bool = False,
         auto_register_tags: bool = True,
         auto_register_kwargs: Mapping[str, Any] | None = None,
+        norm_to_scale_identity_weight_per_block: str | None = None,
     ):
         if not callable(func):
             raise TypeError(f"BlockDiagonalCurvature: func must be callable, got {func!r}.")
@@ -103,6 +106,9 @@ class BlockDiagonalCurvature:
         self.layer_tag_to_block_ctor = ctors
         self.default_estimation_mode = _statistics.check_mode(default_estimation_mode)
         self.num_samples = num_samples
+        self.norm_to_scale_identity_weight_per_block = blocks_lib.check_norm_type(
+            norm_to_scale_identity_weight_per_block, "norm_to_scale_identity_weight_per_block"
+        )
         self._cache_spec = (
             tuple(exact_powers_to_cache),
             tuple(approx_powers_to_cache),
@@ -154,12 +160,7 @@ class BlockDiagonalCurvature:
     def zero_curvature_stats(self) -> CurvatureStats:
         """Statistics of zero batches (zeros shaped like every block's factors)."""
         self._require_set_up()
-        blocks = tuple(
-            tuple(jnp.zeros(s, b.dtype) for s in b.factor_shapes())
-            + (() if c is None else (jnp.zeros(c, jnp.float32),))
-            for b, c in zip(self._blocks, self._coverage_shapes, strict=True)
-        )
-        return CurvatureStats(blocks, jnp.zeros((), jnp.float32))
+        return _statistics.zero_stats(self._blocks, self._coverage_shapes)
 
     def _set_up(self, func_args: Sequence[Any]) -> tracer.TracedFunction:
         traced = tracer.trace_cached(self.tagged_func(func_args), func_args, self.params_index)
@@ -293,12 +294,20 @@ class BlockDiagonalCurvature:
         estimation_mode: str | None = None,
         batch_size: Any = None,
         example_mask: jax.Array | None = None,
+        has_aux: bool = False,
     ) -> CurvatureStats:
-        """This batch's curvature statistics (see `value_grads_and_curvature_stats`)."""
+        """This batch's curvature statistics (see `value_grads_and_curvature_stats`;
+        ``has_aux`` matters only to ``fisher_empirical_direct``, which differentiates
+        ``func``'s value)."""
         mode = _statistics.check_mode(estimation_mode or self.default_estimation_mode)
         self._set_up(func_args)
         func = self.tagged_func(func_args)
-        losses, vjp = tracer.layer_tags_vjp(func, func_args, self.params_index)
+        if mode == _statistics.DIRECT_MODE:
+            _, _, losses, vjp = tracer.value_and_grad_and_layer_tags_vjp(
+                func, func_args, self.params_index, has_aux
+            )
+        else:
+            losses, vjp = tracer.layer_tags_vjp(func, func_args, self.params_index)
         return self._stats(losses, vjp, mode, rng, batch_size, example_mask)
 
     def value_grads_and_curvature_stats(
@@ -337,24 +346,9 @@ class BlockDiagonalCurvature:
         stats = self._stats(losses, vjp, mode, rng, None, example_mask)
         return value, grads, stats
 
-    def _stats(self, losses, vjp, mode, rng, batch_size, example_mask) -> CurvatureStats:
-        cotangents = _statistics.loss_cotangents(losses, mode, rng, self.num_samples)
-        if example_mask is not None:
-            example_mask = _statistics.check_mask(example_mask, losses)
-            cotangents = tuple(
-                _statistics.mask_leading(c, example_mask, axis=1) for c in cotangents
-            )
-            if batch_size is None:
-                batch_size = jnp.sum(example_mask)
-        if batch_size is None:
-            batch_size = losses[0].batch_size
-        data = vjp.sampled(cotangents, example_mask)
-        safe = jnp.maximum(jnp.asarray(batch_size, jnp.float32), 1e-12)
-        blocks = tuple(
-            _statistics.block_statistics(block, d, safe, c)
-            for block, d, c in zip(self._blocks, data, self._coverage_shapes, strict=True)
-        )
-        return CurvatureStats(blocks, jnp.asarray(batch_size, jnp.float32))
+    def _stats(self, losses, vjp, mode, rng, batch_size, mask) -> CurvatureStats:
+        spec = (mode, rng, self.num_samples, batch_size, mask)
+        return _statistics.curvature_stats(self._blocks, self._coverage_shapes, losses, vjp, *spec)
 
     def update_curvature_estimate_from_stats(
         self,
@@ -419,14 +413,20 @@ class BlockDiagonalCurvature:
         (`block_owners`), and a ``psum`` shares the results. The result is
         bit-identical to the serial refresh.
 
+        ``identity_weight`` is one number or one per block (in `blocks` order),
+        scaled per block with ``norm_to_scale_identity_weight_per_block``.
+
         Raises:
           ValueError: if ``identity_weight`` is concrete and not positive.
         """
         self._require_set_up()
-        _checks.check_damping(identity_weight, "update_cache", allow_zero=False)
-        return EstimatorState(
-            _refresh.refresh(self._blocks, state.blocks, identity_weight, pmap_axis_name)
-        )
+        _identity_weights.check(identity_weight, "update_cache", allow_zero=False)
+        weights = self._block_weights(state, identity_weight)
+        return EstimatorState(_refresh.refresh(self._blocks, state.blocks, weights, pmap_axis_name))
+
+    def _block_weights(self, state: EstimatorState, identity_weight: Any) -> Any:
+        norm = self.norm_to_scale_identity_weight_per_block
+        return _identity_weights.scaled(self._blocks, state.blocks, identity_weight, norm)
 
     def block_owners(self, num_devices: int) -> tuple[int, ...]:
         """The device (of ``num_devices``) that refreshes each block's cache in a
@@ -451,17 +451,20 @@ class BlockDiagonalCurvature:
     ) -> Any:
         """``(C + identity_weight I)^power v`` for a parameter-shaped pytree ``v``.
 
-        See `kfacx.blocks.CurvatureBlock.multiply_matpower` for the arguments.
+        See `kfacx.blocks.CurvatureBlock.multiply_matpower` for the arguments;
+        ``identity_weight`` is one number or one per block (as in `update_cache`).
 
         Raises:
           ValueError: for a bad vector, damping, or an unsupported / uncached power.
         """
         if power != 1:
-            _checks.check_damping(identity_weight, "multiply_matpower", allow_zero=False)
+            _identity_weights.check(identity_weight, "multiply_matpower", allow_zero=False)
         vectors = self.params_to_blocks(vector)
+        weights = self._block_weights(state, identity_weight)
+        weights = _identity_weights.per_block(weights, len(self._blocks))
         out = tuple(
-            b.multiply_matpower(s, v, identity_weight, power, exact_power, use_cached)
-            for b, s, v in zip(self._blocks, state.blocks, vectors, strict=True)
+            b.multiply_matpower(s, v, w, power, exact_power, use_cached)
+            for b, s, v, w in zip(self._blocks, state.blocks, vectors, weights, strict=True)
         )
         return self.blocks_to_params(out)
 
@@ -483,17 +486,6 @@ class BlockDiagonalCurvature:
     def to_dense_matrix(self, state: EstimatorState) -> jax.Array:
         """The block-diagonal estimate over all parameters, flattened in pytree-leaf order."""
         traced = self._require_set_up()
-        sizes = [0] * traced.num_param_leaves
-        for block, ids in zip(self._blocks, traced.layer_param_leaves, strict=True):
-            for i, shape in zip(ids, block.parameters_shapes, strict=True):
-                sizes[i] = math.prod(shape)
-        offsets = np.cumsum([0] + sizes)
-        dense = jnp.zeros(
-            (offsets[-1], offsets[-1]), self._blocks[0].dtype if self._blocks else jnp.float32
+        return _identity_weights.dense_block_diagonal(
+            self._blocks, state.blocks, traced.layer_param_leaves, traced.num_param_leaves
         )
-        for block, s, ids in zip(
-            self._blocks, state.blocks, traced.layer_param_leaves, strict=True
-        ):
-            index = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in ids])
-            dense = dense.at[index[:, None], index[None, :]].set(block.to_dense_matrix(s))
-        return dense

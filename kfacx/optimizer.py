@@ -14,7 +14,8 @@ the layers of ``loss_fn``, and each `Optimizer.step`:
    ``previous_delta``;
 4. every ``damping_adaptation_interval`` steps adapts the damping with the
    Levenberg-Marquardt rule from the ratio of the actual to the predicted
-   change of the loss.
+   change of the loss (and, with ``use_step_rejection``, keeps the parameters
+   when the loss went up).
 
 Options are grouped in frozen config dataclasses (`CurvatureConfig`,
 `LearningRateConfig`, `DampingConfig`, `BatchConfig`); each field can also be
@@ -23,25 +24,28 @@ passed as a flat keyword argument with kfac-jax's name.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kfacx import _checks
+from kfacx import _calibration, _checks
 from kfacx._configs import (
     BatchConfig,
     CurvatureConfig,
     DampingConfig,
     LearningRateConfig,
+    make_estimator,
     resolve_configs,
+    schedules,
 )
+from kfacx._l2 import Regularization
 from kfacx._loss_passes import BatchPasses, LossCall
 from kfacx._step import KfacStep
 from kfacx.blocks._base import zeros
-from kfacx.estimator import BlockDiagonalCurvature, EstimatorState
+from kfacx.estimator import EstimatorState
 from kfacx.parallel._placement import Placement
 
 # ----------------------------------------------------------------------------- state
@@ -75,7 +79,8 @@ class Optimizer:
         at ``loss_fn``: its value output must not depend on anything the
         gradient computation does.
       l2_reg: weight decay: ``l2_reg * params`` is added to the gradient and
-        ``l2_reg`` to the damping of the curvature.
+        ``l2_reg`` to the damping of the curvature (kfacx minimises the loss plus
+        ``0.5 * l2_reg * |params|^2``; kfac-jax expects that term in the loss).
       value_func_has_aux: ``loss_fn`` returns ``(loss, aux)``.
       value_func_has_state: ``loss_fn`` takes a state after the parameters
         and returns ``(loss, new_state)`` (or ``(loss, (new_state, aux))``
@@ -103,8 +108,30 @@ class Optimizer:
         but ``multi_device``), e.g. `kfacx.fast_compile_options` ``()``: on the CPU a
         step compiles in about 40 % less time and runs 2-3 % slower. Default:
         XLA's own.
+      regularized_parameters_path_exclusions: regular expressions; ``l2_reg``
+        leaves out the parameters whose path (as in kfacx's messages, e.g.
+        ``"mlp/~/linear_0/b"``, ``"params/LayerNorm_0/scale"``) one of them matches
+        (`re.search`), e.g. ``(r"/b$", "norm")`` for biases and norms: no weight
+        decay in their gradient, no ``0.5 l2_reg |p|^2`` of theirs in the
+        quadratic model and in ``rho``, and no ``l2_reg`` in the damping of the
+        curvature blocks all of whose parameters are left out (a block with some
+        regularized parameters keeps it: one block has one damping). A pattern
+        that matches no parameter is a ``ValueError`` at `init`.
       **kwargs: any config field by its (kfac-jax) name, e.g.
         ``use_adaptive_damping=True, initial_damping=1.0``; overrides the configs.
+        Besides the basic ones, kfac-jax's ``precon_power`` (the preconditioner
+        is the damped curvature to this power: -1, or -0.5 its inverse square
+        root) and ``norm_to_scale_identity_weight_per_block`` (each block's
+        damping times a norm of the block) in `CurvatureConfig`;
+        ``estimation_mode="fisher_empirical_direct"`` (the empirical Fisher of
+        the per-example gradients of ``loss_fn``'s own value, from the
+        gradient's backward pass); ``precon_damping_mult`` /
+        ``precon_damping_schedule`` (the preconditioner's damping, apart from
+        the quadratic model's), ``use_step_rejection`` (a step that raises the
+        batch loss, ``rho < 0``, keeps the parameters and the momentum),
+        ``use_initial_damping_calibration`` (the initial damping fitted to the
+        first batch) and ``damping_adaptation_interval_start`` (no adaptation
+        before this step) in `DampingConfig`.
 
     Raises:
       TypeError: for an unknown keyword argument or a non-callable function.
@@ -141,6 +168,7 @@ class Optimizer:
         use_shard_map: bool = False,
         debug: bool = False,
         compiler_options: Mapping[str, Any] | None = None,
+        regularized_parameters_path_exclusions: Sequence[str] = (),
         **kwargs: Any,
     ):
         if not callable(value_and_grad_func):
@@ -169,20 +197,21 @@ class Optimizer:
         call = LossCall(
             value_and_grad_func, value_func_has_aux, value_func_has_state, value_func_has_rng
         )
-        self.estimator = _make_estimator(call.value, curvature)
+        self.estimator = make_estimator(call.value, curvature)
         self._passes = BatchPasses(call, self.estimator, batch, curvature.curvature_batch_fraction)
         self._kfac_step = KfacStep(
             curvature,
             learning_rate,
             damping,
-            float(l2_reg),
-            _schedules(learning_rate, damping),
+            Regularization(float(l2_reg), regularized_parameters_path_exclusions),
+            schedules(learning_rate, damping),
             self._passes,
             self.placement,
             self.unstaged_init,
         )
         self._staged_step = None
         self._staged_burnin = None
+        self._staged_ratio = None
         self._is_set_up = False
         self._past_first_step = False
 
@@ -257,6 +286,7 @@ class Optimizer:
         call = self._passes.call
         args = call.args(params, func_state, rng, self._passes.microbatch(batch))
         _checks.warn_unused_params(lambda *a: call.split_output(call.value(*a))[0], args)
+        self._kfac_step.regularization.leaf_mask(params)  # a pattern matching nothing raises
         self.estimator.set_up(args)
         self._is_set_up = True
 
@@ -372,12 +402,19 @@ class Optimizer:
             raise ValueError("Pass exactly one of batch and data_iterator.")
         if not self._is_set_up and batch is not None:  # E.g. resuming from a checkpoint.
             self._set_up(params, rng, batch, func_state)
-        if self.curvature.num_burnin_steps and self._first_step(state, global_step_int):
+        calibrate = self.damping.use_initial_damping_calibration
+        first = (self.curvature.num_burnin_steps or calibrate) and self._first_step(
+            state, global_step_int
+        )
+        if first and self.curvature.num_burnin_steps:
             rng, state, func_state = self._burnin_first(
                 params, state, rng, batch, data_iterator, func_state
             )
         if batch is None:
             batch = next(data_iterator)
+        if first and calibrate:
+            values = (learning_rate, momentum, global_step_int)
+            state = self._calibrate_damping(params, state, rng, batch, func_state, values)
         self._past_first_step = True
         batch, params, state, rng, func_state = self.placement.put(
             batch, params, state, rng, func_state
@@ -385,6 +422,15 @@ class Optimizer:
         return self._stage()(
             params, state, rng, batch, func_state, learning_rate, momentum, damping, global_step_int
         )
+
+    def _calibrate_damping(self, params, state, rng, batch, func_state, values):
+        """``state`` with the damping calibrated on the first batch
+        (``use_initial_damping_calibration``, see `kfacx.DampingConfig`)."""
+        if self._staged_ratio is None:
+            self._staged_ratio = self.placement.stage(self._kfac_step.calibration_ratio, self.debug)
+        batch, *args = self.placement.put(batch, params, state, rng, func_state)
+        args.insert(3, batch)  # (params, state, rng, batch, func_state)
+        return _calibration.calibrated_state(self._staged_ratio, args, values, self.damping)
 
     def _first_step(self, state, global_step_int) -> bool:
         """Whether this is the first step (reads the counter only until it is past)."""
@@ -439,29 +485,6 @@ class Optimizer:
         if new_func_state is not None and axis is not None:
             new_func_state = jax.lax.pmean(new_func_state, axis)
         return state._replace(estimator_state=est_state), new_func_state
-
-
-def _make_estimator(value_func: Callable[..., Any], cfg: CurvatureConfig) -> BlockDiagonalCurvature:
-    return BlockDiagonalCurvature(
-        value_func,
-        params_index=0,
-        layer_tag_to_block_ctor=cfg.layer_tag_to_block_ctor,
-        default_estimation_mode=cfg.estimation_mode,
-        num_samples=cfg.num_estimator_samples,
-        exact_powers_to_cache=(-1,) if cfg.use_exact_inverses else (),
-        approx_powers_to_cache=() if cfg.use_exact_inverses else (-1,),
-        auto_register_tags=cfg.auto_register_tags,
-        auto_register_kwargs=cfg.auto_register_kwargs,
-    )
-
-
-def _schedules(learning_rate: LearningRateConfig, damping: DampingConfig) -> tuple:
-    """The learning rate, momentum and damping schedules (None where there is none)."""
-    return (
-        _checks.as_schedule(learning_rate.learning_rate_schedule, "learning_rate_schedule"),
-        _checks.as_schedule(learning_rate.momentum_schedule, "momentum_schedule"),
-        _checks.as_schedule(damping.damping_schedule, "damping_schedule"),
-    )
 
 
 def _repeat(batch):

@@ -408,14 +408,21 @@ def value_and_grad_and_layer_tags_vjp(
         forward, list(flat_args[start:stop]), _zero_perturbations(traced), has_aux=True
     )
     zero_predictions = tuple(jnp.zeros_like(p) for p in predictions)
-    grad_leaves, _ = vjp_fn((jnp.ones_like(loss), zero_predictions))
+    # One backward pass: the gradient, and the cotangents of every layer's outputs (the
+    # statistics of the fisher_empirical_direct estimation mode).
+    grad_leaves, value_tangents = vjp_fn((jnp.ones_like(loss), zero_predictions))
     grads = jax.tree_util.tree_unflatten(traced.params_tree, grad_leaves)
 
     def tangents(cotangents):
         return vjp_fn((jnp.zeros_like(loss), tuple(cotangents)))[1]
 
     vjp = LayerTagsVjp(
-        tangents, records, traced.use_to_layer, _use_scans(traced), _use_roles(traced)
+        tangents,
+        records,
+        traced.use_to_layer,
+        _use_scans(traced),
+        _use_roles(traced),
+        value_tangents=value_tangents,
     )
     return value, grads, _make_losses(loss_operands, predictions), vjp
 

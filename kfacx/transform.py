@@ -71,6 +71,7 @@ def precondition(
     stats_axis_name: str | None = None,
     refresh_axis_name: str | None = None,
     refresh: Callable[[EstimatorState, Any], EstimatorState] | None = None,
+    power: float = -1.0,
 ) -> tuple[Any, EstimatorState]:
     """The K-FAC preconditioning step shared by `scale_by_kfac` and `kfacx.Optimizer`.
 
@@ -86,7 +87,8 @@ def precondition(
       count: updates so far (an int array); decides the refresh.
       grads: a parameter-shaped pytree to precondition.
       curvature_stats: this batch's `kfacx.CurvatureStats`.
-      damping: the damping (identity weight) of the inverse and its refresh.
+      damping: the damping (identity weight) of the inverse and its refresh (one
+        number, or one per curvature block).
       curvature_ema: weight of the old moving average in each update.
       inverse_update_period: refresh the cached inverses every this many updates.
       use_exact_inverses: exact inverses of the damped Kronecker products
@@ -98,6 +100,8 @@ def precondition(
         `kfacx.BlockDiagonalCurvature.update_cache`).
       refresh: ``(estimator_state, damping) -> estimator_state`` replacing
         ``estimator.update_cache`` (e.g. a refresh placed on a mesh).
+      power: precondition with ``(C + damping I)^power`` instead of the inverse
+        (the estimator must cache that power, e.g. ``approx_powers_to_cache=(-0.5,)``).
 
     Returns:
       ``(preconditioned, estimator_state)``.
@@ -115,8 +119,8 @@ def precondition(
     state = jax.lax.cond(
         count % inverse_update_period == 0, refresh, lambda e, w: e, state, damping
     )
-    precon = estimator.multiply_inverse(
-        state, grads, damping, exact_power=use_exact_inverses, use_cached=True
+    precon = estimator.multiply_matpower(
+        state, grads, damping, power, exact_power=use_exact_inverses, use_cached=True
     )
     return precon, state
 

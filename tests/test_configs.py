@@ -25,7 +25,7 @@ def test_flat_options_replace_config_fields_in_their_group():
 @pytest.mark.parametrize(
     ("flat", "configs", "error", "match"),
     [
-        (dict(precon_power=-0.5), {}, TypeError, "only the inverse"),
+        (dict(distributed_precon_apply=False), {}, TypeError, "every device applies"),
         (dict(learning_rat=0.1), {}, TypeError, "unknown arguments \\['learning_rat'\\]"),
         ({}, dict(damping=kfacx.CurvatureConfig()), TypeError, "damping must be a DampingConfig"),
         (dict(curvature_ema=1.5), {}, ValueError, "curvature_ema must be in"),

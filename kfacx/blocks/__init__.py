@@ -6,7 +6,8 @@ vector. Abstract bases: `CurvatureBlock` and `TwoKroneckerFactored`.
 `StackedBlock` wraps any block for layers stacked along a leading axis
 (`lax.scan` over the parameters, `hk.layer_stack`); `TiedKroneckerFactored`
 serves a 2-D weight used by dense and embedding layers of different kinds
-(tied input/output embeddings, ``w`` and ``w.T``).
+(tied input/output embeddings, ``w`` and ``w.T``). `block_norm` computes a
+block's matrix norms (for scaling the damping per block).
 """
 
 from kfacx.blocks._base import (
@@ -39,6 +40,7 @@ from kfacx.blocks._kronecker import (
     KroneckerPair,
     TwoKroneckerFactored,
 )
+from kfacx.blocks._norms import NORM_TYPES, Factor, block_norm, check_norm_type, kronecker_pieces
 from kfacx.blocks._stacked import StackedBlock
 from kfacx.blocks._tied import (
     TIED_TAG,
@@ -64,6 +66,8 @@ __all__ = [
     "KroneckerCache",
     "KroneckerEigen",
     "KroneckerPair",
+    "NORM_TYPES",
+    "Factor",
     "LayerInfo",
     "ScaleAndShiftDiagonal",
     "ScaleAndShiftFull",
@@ -75,6 +79,9 @@ __all__ = [
     "TiedKroneckerFactored",
     "TwoKroneckerFactored",
     "WeightedMovingAverage",
+    "block_norm",
+    "check_norm_type",
     "flatten_params",
+    "kronecker_pieces",
     "unflatten_params",
 ]
