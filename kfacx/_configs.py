@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -423,12 +423,21 @@ def make_estimator(value_func: Callable[..., Any], cfg: CurvatureConfig) -> Bloc
     )
 
 
-def schedules(learning_rate: LearningRateConfig, damping: DampingConfig) -> tuple:
-    """The learning rate, momentum, damping and preconditioner damping schedules (None
-    where there is none)."""
-    return (
-        as_schedule(learning_rate.learning_rate_schedule, "learning_rate_schedule"),
-        as_schedule(learning_rate.momentum_schedule, "momentum_schedule"),
-        as_schedule(damping.damping_schedule, "damping_schedule"),
-        as_schedule(damping.precon_damping_schedule, "precon_damping_schedule"),
+class Schedules(NamedTuple):
+    """The schedules of `kfacx.Optimizer`'s step (``step -> value``; None where the
+    config gives none)."""
+
+    learning_rate: Schedule | None
+    momentum: Schedule | None
+    damping: Schedule | None
+    precon_damping: Schedule | None
+
+
+def schedules(learning_rate: LearningRateConfig, damping: DampingConfig) -> Schedules:
+    """The learning rate, momentum, damping and preconditioner damping schedules."""
+    return Schedules(
+        learning_rate=as_schedule(learning_rate.learning_rate_schedule, "learning_rate_schedule"),
+        momentum=as_schedule(learning_rate.momentum_schedule, "momentum_schedule"),
+        damping=as_schedule(damping.damping_schedule, "damping_schedule"),
+        precon_damping=as_schedule(damping.precon_damping_schedule, "precon_damping_schedule"),
     )

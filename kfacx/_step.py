@@ -23,19 +23,31 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from kfacx import _checks, _damping, _quadratic_model, _tree
-from kfacx._checks import Schedule
-from kfacx._configs import CurvatureConfig, DampingConfig, LearningRateConfig
+from kfacx._configs import CurvatureConfig, DampingConfig, LearningRateConfig, Schedules
 from kfacx._l2 import Regularization
 from kfacx._loss_passes import BatchPasses
 from kfacx.estimator import weighted_mean_stats
 from kfacx.parallel._placement import Placement
 from kfacx.transform import precondition
+
+
+class _Update(NamedTuple):
+    """A step's proposed update, before the damping adaptation and the guard."""
+
+    precon: Any  # the preconditioned gradient (norm-constrained with a fixed learning rate)
+    estimator_state: Any  # the curvature estimate after this step's update and refresh
+    coeffs: Any  # (learning rate, momentum) coefficients of precon and the velocity
+    learning_rate: Any
+    momentum: Any
+    model: Any  # the quadratic model (`kfacx._quadratic_model`)
+    delta: Any  # the step
+    new_params: Any  # params + delta
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -45,8 +57,9 @@ class KfacStep:
     Attributes:
       curvature, learning_rate, damping: the optimizer's configs.
       regularization: ``l2_reg`` and the parameters it leaves out (`kfacx._l2`).
-      schedules: ``(learning_rate, momentum, damping, precon_damping)`` schedules,
-        or None each.
+      schedules: the learning rate, momentum, damping and preconditioner damping
+        schedules (`kfacx._configs.Schedules`).
+
       passes: the passes over the batch (they hold the estimator).
       placement: where the step runs (its device axis, the inverses' refresh).
       init: ``(params, rng, batch, func_state) -> state``, for checking the state.
@@ -56,7 +69,7 @@ class KfacStep:
     learning_rate: LearningRateConfig
     damping: DampingConfig
     regularization: Regularization
-    schedules: tuple[Schedule | None, ...]
+    schedules: Schedules
     passes: BatchPasses
     placement: Placement
     init: Callable[..., Any]
@@ -133,10 +146,68 @@ class KfacStep:
         loss, grads, stats, new_func_state, aux = self._value_grads_stats(
             params, func_state, rng, batch, update_curvature, mask
         )
-        lam = _damping.choose_damping(
-            self.damping, state.damping, damping, self.schedules[2], global_step
+        lam, precon_lam = self._dampings(state, damping, global_step)
+        update = self._update(
+            params, state, rng, batch, func_state, grads, stats, lam, precon_lam, mask,
+            learning_rate, momentum, global_step, update_curvature,
+        )  # fmt: skip
+        loss_at_new_params = functools.partial(
+            self.passes.loss_at, update.new_params, func_state, rng, batch
         )
-        precon_lam = _damping.precon_damping(self.damping, lam, self.schedules[3], global_step)
+        quad_change, new_damping, rho, rejected = self._adapt_damping(
+            state, update.model, update.coeffs, lam, loss, params, update.new_params,
+            loss_at_new_params, mask, force_adapt,
+        )  # fmt: skip
+        new_params, velocities = update.new_params, update.delta
+        if rejected is not None:
+            new_params, velocities = _tree.keep_unless(
+                ~rejected, (new_params, velocities), (params, state.velocities)
+            )
+        new_state = state._replace(
+            velocities=velocities,
+            estimator_state=update.estimator_state,
+            damping=jnp.asarray(new_damping, jnp.float32),
+            data_seen=state.data_seen + self.passes.examples_seen(batch, self.placement.axis_name),
+            step_counter=step + 1,
+        )
+        sq_norms = [_tree.tree_dot(v, v) for v in (grads, update.precon, update.delta)]
+        finite, (new_params, new_state, new_func_state) = _guard(
+            loss,
+            sq_norms,
+            lam if precon_lam is lam else (lam, precon_lam),
+            stats,
+            new=(new_params, new_state, new_func_state),
+            old=(params, state, func_state),
+        )
+        stats_out = _step_stats(
+            loss, update.learning_rate, update.momentum, lam, rho, quad_change, sq_norms, step,
+            new_state, finite,
+        )  # fmt: skip
+        if rejected is not None:
+            stats_out["rejected"] = rejected & finite
+        if self.passes.call.has_aux:
+            stats_out["aux"] = aux
+        if self.passes.call.has_state:
+            return new_params, new_state, new_func_state, stats_out
+        return new_params, new_state, stats_out
+
+    def _dampings(self, state, damping, global_step):
+        """``(damping, preconditioner damping)`` of this step (the same object when the
+        preconditioner has no damping of its own)."""
+        lam = _damping.choose_damping(
+            self.damping, state.damping, damping, self.schedules.damping, global_step
+        )
+        precon_lam = _damping.precon_damping(
+            self.damping, lam, self.schedules.precon_damping, global_step
+        )
+        return lam, precon_lam
+
+    def _update(
+        self, params, state, rng, batch, func_state, grads, stats, lam, precon_lam, mask,
+        learning_rate, momentum, global_step, update_curvature,
+    ):  # fmt: skip
+        """The proposed update (`_Update`): the curvature update and preconditioning, the
+        learning rate and momentum, the step ``delta`` and ``params + delta``."""
         identity_weight = lam + self.l2_reg
         precon, est_state = self._precondition(
             state,
@@ -158,52 +229,7 @@ class KfacStep:
         )
         delta = _quadratic_model.update_direction(coeffs, precon, state.velocities)
         new_params = jax.tree.map(lambda p, d: p + d, params, delta)
-        loss_at_new_params = functools.partial(
-            self.passes.loss_at, new_params, func_state, rng, batch
-        )
-        quad_change, new_damping, rho, rejected = self._adapt_damping(
-            state,
-            model,
-            coeffs,
-            lam,
-            loss,
-            params,
-            new_params,
-            loss_at_new_params,
-            mask,
-            force_adapt,
-        )
-        velocities = delta
-        if rejected is not None:
-            new_params, velocities = _tree.keep_unless(
-                ~rejected, (new_params, delta), (params, state.velocities)
-            )
-        new_state = state._replace(
-            velocities=velocities,
-            estimator_state=est_state,
-            damping=jnp.asarray(new_damping, jnp.float32),
-            data_seen=state.data_seen + self.passes.examples_seen(batch, self.placement.axis_name),
-            step_counter=step + 1,
-        )
-        sq_norms = [_tree.tree_dot(v, v) for v in (grads, precon, delta)]
-        finite, (new_params, new_state, new_func_state) = _guard(
-            loss,
-            sq_norms,
-            lam if precon_lam is lam else (lam, precon_lam),
-            stats,
-            new=(new_params, new_state, new_func_state),
-            old=(params, state, func_state),
-        )
-        stats_out = _step_stats(
-            loss, lr, mom, lam, rho, quad_change, sq_norms, step, new_state, finite
-        )
-        if rejected is not None:
-            stats_out["rejected"] = rejected & finite
-        if self.passes.call.has_aux:
-            stats_out["aux"] = aux
-        if self.passes.call.has_state:
-            return new_params, new_state, new_func_state, stats_out
-        return new_params, new_state, stats_out
+        return _Update(precon, est_state, coeffs, lr, mom, model, delta, new_params)
 
     def _precon_weight(self, identity_weight, precon_lam, lam, params, mask):
         """The preconditioner's identity weight: its damping plus ``l2_reg``, without
@@ -286,7 +312,7 @@ class KfacStep:
         ``mask`` (some parameters not regularized) ``identity_weight`` is the damping
         alone and the model's regularizer is ``l2_reg`` on the regularized leaves."""
         lr_cfg, qm = self.learning_rate, _quadratic_model
-        lr_schedule, momentum_schedule = self.schedules[:2]
+        lr_schedule, momentum_schedule = self.schedules.learning_rate, self.schedules.momentum
 
         def regularizer(p):
             return None if mask is None else self.regularization.masked_norms(p, velocity, mask)

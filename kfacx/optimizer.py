@@ -119,19 +119,9 @@ class Optimizer:
         that matches no parameter is a ``ValueError`` at `init`.
       **kwargs: any config field by its (kfac-jax) name, e.g.
         ``use_adaptive_damping=True, initial_damping=1.0``; overrides the configs.
-        Besides the basic ones, kfac-jax's ``precon_power`` (the preconditioner
-        is the damped curvature to this power: -1, or -0.5 its inverse square
-        root) and ``norm_to_scale_identity_weight_per_block`` (each block's
-        damping times a norm of the block) in `CurvatureConfig`;
-        ``estimation_mode="fisher_empirical_direct"`` (the empirical Fisher of
-        the per-example gradients of ``loss_fn``'s own value, from the
-        gradient's backward pass); ``precon_damping_mult`` /
-        ``precon_damping_schedule`` (the preconditioner's damping, apart from
-        the quadratic model's), ``use_step_rejection`` (a step that raises the
-        batch loss, ``rho < 0``, keeps the parameters and the momentum),
-        ``use_initial_damping_calibration`` (the initial damping fitted to the
-        first batch) and ``damping_adaptation_interval_start`` (no adaptation
-        before this step) in `DampingConfig`.
+        Each field is documented on its config class (kfac-jax's less common
+        options too: ``precon_power``, ``use_step_rejection``,
+        ``precon_damping_mult``...); docs/quickstart.md tables them.
 
     Raises:
       TypeError: for an unknown keyword argument or a non-callable function.
@@ -385,6 +375,8 @@ class Optimizer:
             the new state is not finite (e.g. NaN in the batch), or the damping is
             not positive: params, state (and func_state) are returned unchanged,
             bit for bit, and the step counter does not advance.
+          - ``rejected``: with ``use_step_rejection``: True when the step raised the
+            batch loss and was not applied (params and momentum kept).
           - ``aux``: the loss function's aux output (with ``value_func_has_aux``).
 
         Raises:

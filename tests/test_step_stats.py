@@ -73,7 +73,10 @@ CONFIGS = {
     "plain": (loss_fn, PLAIN, False),
     "adaptive": (loss_fn, ADAPTIVE, False),
     "has_aux": (loss_with_aux, PLAIN, True),
+    "rejection": (loss_fn, dict(ADAPTIVE, use_step_rejection=True), False),
 }
+#: Fields present only with an option: ``rejected`` (use_step_rejection), ``aux``.
+OPTIONAL = ("rejected", "aux")
 
 
 def optimizer(name: str) -> kfacx.Optimizer:
@@ -99,13 +102,16 @@ def returned_stats(name: str, dtype=jnp.float32) -> dict:
 
 def test_page_and_docstring_document_the_same_fields():
     assert list(page_fields()) == docstring_fields()
-    assert list(page_fields())[-1] == "aux"  # the one field that depends on the options
+    assert list(page_fields())[-2:] == list(OPTIONAL)  # the fields that depend on the options
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_documented_fields_are_the_returned_keys_with_their_dtypes(name):
     stats, documented = returned_stats(name), page_fields()
-    expected = set(documented) - ({"aux"} if not CONFIGS[name][2] else set())
+    absent = {"aux"} if not CONFIGS[name][2] else set()
+    if not CONFIGS[name][1].get("use_step_rejection"):
+        absent.add("rejected")
+    expected = set(documented) - absent
     assert set(stats) == expected
     for field, struct in stats.items():
         if field == "aux":
@@ -119,7 +125,7 @@ def test_norms_follow_float64_parameters_and_the_loss_stays_float32():
     with jax.enable_x64():
         stats = returned_stats("plain", jnp.float64)
     for field, dtype in page_fields().items():
-        if field != "aux":
+        if field not in OPTIONAL:
             expected = "float64" if field in NORMS else dtype.split()[0]
             assert str(stats[field].dtype) == expected, field
 
