@@ -18,6 +18,7 @@ import numpy as np
 
 from kfacx import _jaxpr
 from kfacx._paths import check_float_params, path_to_str
+from kfacx.blocks._base import APPROX_POWER_FIELDS
 
 Schedule = Callable[[jax.Array], Any]
 
@@ -268,3 +269,26 @@ def _state_error(what: str) -> ValueError:
         "Create the state with optimizer.init(params, rng, batch) for these params, or restore "
         "this model's checkpoint into a template made by optimizer.init."
     )
+
+
+def is_number(value: Any) -> bool:
+    """A real Python or NumPy number (not a bool, not an array)."""
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+
+def check_precon_power(power: Any, use_exact_inverses: bool) -> float:
+    """``precon_power`` as a float: negative, and -1 or -0.5 without exact inverses.
+
+    Raises:
+      ValueError: naming the value and what to use instead.
+    """
+    if not (is_number(power) and math.isfinite(power) and power < 0):
+        raise ValueError(
+            f"precon_power must be a negative number (e.g. -1 or -0.5), got {power!r}."
+        )
+    if not use_exact_inverses and float(power) not in APPROX_POWER_FIELDS:
+        raise ValueError(
+            f"precon_power={power} needs use_exact_inverses=True: the factored (pi) "
+            f"damping serves the powers {sorted(APPROX_POWER_FIELDS)} only."
+        )
+    return float(power)

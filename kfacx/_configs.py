@@ -14,9 +14,8 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from kfacx._checks import Schedule, as_schedule, check_ema, check_int
+from kfacx._checks import Schedule, as_schedule, check_ema, check_int, check_precon_power, is_number
 from kfacx.blocks import check_norm_type
-from kfacx.blocks._base import APPROX_POWER_FIELDS
 from kfacx.estimator import ESTIMATION_MODES, BlockDiagonalCurvature
 
 # With the default curvature_batch_fraction=None, the curvature is estimated on
@@ -265,7 +264,7 @@ class DampingConfig:
         check_int(self.damping_adaptation_interval_start, "damping_adaptation_interval_start", 0)
         as_schedule(self.precon_damping_schedule, "precon_damping_schedule")
         mult = self.precon_damping_mult
-        if not (_is_number(mult) and math.isfinite(mult) and mult > 0):
+        if not (is_number(mult) and math.isfinite(mult) and mult > 0):
             raise ValueError(f"precon_damping_mult must be a positive number, got {mult!r}.")
         if self.precon_damping_schedule is not None and mult != 1.0:
             raise ValueError(
@@ -310,28 +309,6 @@ class BatchConfig:
 
 #: The most damping values `DampingConfig.use_initial_damping_calibration` tries.
 CALIBRATION_STEPS = 30
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
-
-
-def check_precon_power(power: Any, use_exact_inverses: bool) -> float:
-    """``precon_power`` as a float: negative, and -1 or -0.5 without exact inverses.
-
-    Raises:
-      ValueError: naming the value and what to use instead.
-    """
-    if not (_is_number(power) and math.isfinite(power) and power < 0):
-        raise ValueError(
-            f"precon_power must be a negative number (e.g. -1 or -0.5), got {power!r}."
-        )
-    if not use_exact_inverses and float(power) not in APPROX_POWER_FIELDS:
-        raise ValueError(
-            f"precon_power={power} needs use_exact_inverses=True: the factored (pi) "
-            f"damping serves the powers {sorted(APPROX_POWER_FIELDS)} only."
-        )
-    return float(power)
 
 
 CONFIGS = {

@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import optax
 
-from kfacx import _checks, _refresh, _statistics
+from kfacx import _checks, _identity_weights, _refresh, _statistics
 from kfacx.estimator import BlockDiagonalCurvature, CurvatureStats, EstimatorState
 
 __all__ = ["BlockSubset", "block_labels", "has_masked_nodes"]
@@ -138,34 +138,44 @@ class BlockSubset:
             )
         )
 
+    def _weights(self, state: EstimatorState, identity_weight: Any) -> tuple[Any, ...]:
+        """One identity weight per kept block, scaled as the estimator scales them
+        (``norm_to_scale_identity_weight_per_block``)."""
+        norm = self.estimator.norm_to_scale_identity_weight_per_block
+        weights = _identity_weights.scaled(self.blocks, state.blocks, identity_weight, norm)
+        return _identity_weights.per_block(weights, len(self.blocks))
+
     def update_cache(
         self, state: EstimatorState, identity_weight: Any, pmap_axis_name: str | None = None
     ) -> EstimatorState:
         """Refreshes the kept blocks' caches (as `kfacx.BlockDiagonalCurvature.update_cache`)."""
         _checks.check_damping(identity_weight, "update_cache", allow_zero=False)
-        return EstimatorState(
-            _refresh.refresh(self.blocks, state.blocks, identity_weight, pmap_axis_name)
-        )
+        weights = self._weights(state, identity_weight)
+        return EstimatorState(_refresh.refresh(self.blocks, state.blocks, weights, pmap_axis_name))
 
-    def multiply_inverse(
+    def multiply_matpower(
         self,
         state: EstimatorState,
         vector: Any,
         identity_weight: Any,
+        power: float,
         exact_power: bool = False,
         use_cached: bool = False,
     ) -> Any:
-        """``(C + identity_weight I)^-1 v`` on the kept blocks, for a masked tree ``v``."""
-        _checks.check_damping(identity_weight, "multiply_matpower", allow_zero=False)
+        """``(C + identity_weight I)^power v`` on the kept blocks, for a masked tree ``v``
+        (as `kfacx.BlockDiagonalCurvature.multiply_matpower`)."""
+        if power != 1:
+            _checks.check_damping(identity_weight, "multiply_matpower", allow_zero=False)
         leaves = jax.tree_util.tree_leaves(vector, is_leaf=_is_masked)
         values = [x for x in leaves if not _is_masked(x)]
         by_index = dict(zip(_present_indices(vector, self.index_tree), values, strict=True))
-        for b, block, block_state in zip(self.block_ids, self.blocks, state.blocks, strict=True):
+        weights = self._weights(state, identity_weight)
+        for b, block, block_state, weight in zip(
+            self.block_ids, self.blocks, state.blocks, weights, strict=True
+        ):
             ids = self.leaf_ids[b]
             vec = tuple(by_index[i] for i in ids)
-            out = block.multiply_matpower(
-                block_state, vec, identity_weight, -1, exact_power, use_cached
-            )
+            out = block.multiply_matpower(block_state, vec, weight, power, exact_power, use_cached)
             by_index.update(zip(ids, out, strict=True))
         return jax.tree_util.tree_map(
             lambda m, i: m if _is_masked(m) else by_index[i],

@@ -34,6 +34,7 @@ import numpy as np
 import optax
 
 from kfacx import _checks, _partition
+from kfacx._checks import check_precon_power
 from kfacx.estimator import BlockDiagonalCurvature, CurvatureStats, EstimatorState
 
 
@@ -129,6 +130,20 @@ def _is_traced(value: Any) -> bool:
     return isinstance(value, jax.core.Tracer)
 
 
+def _static_power(power: Any, use_exact_inverses: bool) -> float:
+    """``precon_power`` as a float (-1 for None), from a number or a concrete array."""
+    if power is None:
+        return -1.0
+    if _is_traced(power):
+        raise ValueError(
+            "scale_by_kfac: precon_power chooses a cached power and must be a number: with "
+            "optax.inject_hyperparams, pass static_args=('precon_power',)."
+        )
+    if isinstance(power, (jax.Array, np.ndarray)) and power.shape == ():
+        power = power.item()
+    return check_precon_power(power, use_exact_inverses)
+
+
 def _damping_schedule(damping: Any) -> Callable[[jax.Array], Any]:
     """``count -> damping`` from a number, an array (`optax.inject_hyperparams` passes
     its hyperparameters as arrays, traced under jit) or a schedule."""
@@ -193,6 +208,7 @@ def scale_by_kfac(
     use_exact_inverses: bool = False,
     pmap_axis_name: str | None = None,
     distributed_inverses: bool = True,
+    precon_power: float | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Preconditions gradients with the damped inverse of the K-FAC curvature.
 
@@ -236,13 +252,19 @@ def scale_by_kfac(
       distributed_inverses: with ``pmap_axis_name``, refresh each block's
         inverse on one owner device and share it (see
         `kfacx.BlockDiagonalCurvature.update_cache`); the result is identical.
+      precon_power: precondition with ``(C + damping I)^precon_power`` (kfac-jax's
+        option; None means -1; -1 or -0.5 with factored damping, any negative
+        power with ``use_exact_inverses``). The estimator must cache that power,
+        e.g. ``BlockDiagonalCurvature(..., approx_powers_to_cache=(-0.5,))``. It
+        chooses a cached power, so it cannot be a hyperparameter of
+        `optax.inject_hyperparams`: name it in ``static_args`` there.
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose ``update`` requires the
       keyword argument ``curvature_stats`` (a `kfacx.CurvatureStats`).
 
     Raises:
-      ValueError: on a bad period or moving-average weight; inside
+      ValueError: on a bad period, moving-average weight or power; inside
         `optax.MultiSteps`; on a mask that splits a block.
       TypeError: if ``estimator`` is not a `kfacx.BlockDiagonalCurvature`.
     """
@@ -253,6 +275,7 @@ def scale_by_kfac(
     damping_fn = _damping_schedule(damping)
     ema = _checked_ema(curvature_ema)
     period = _checked_period(inverse_update_period)
+    power = _static_power(precon_power, use_exact_inverses)
     func_args = tuple(func_args)
     estimator.set_up(func_args)
     example_params = func_args[estimator.params_index]
@@ -294,6 +317,7 @@ def scale_by_kfac(
             use_exact_inverses=use_exact_inverses,
             stats_axis_name=pmap_axis_name,
             refresh_axis_name=refresh_axis,
+            power=power,
         )
         return precon, ScaleByKfacState(state.count + 1, est)
 

@@ -175,6 +175,104 @@ def test_precon_power_is_the_dense_damped_curvature_to_that_power():
         np.testing.assert_allclose(flat(twice), flat(inverse), rtol=1e-9, atol=1e-12)
 
 
+def _scale_by_kfac_steps(tx, est, params, batch, steps):
+    @jax.jit
+    def step(params, opt_state):
+        _, grads, stats = est.value_grads_and_curvature_stats(jax.random.key(0), (params, batch))
+        updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
+        return optax.apply_updates(params, updates), opt_state
+
+    trajectory, opt_state = [], tx.init(params)
+    for _ in range(steps):
+        params, opt_state = step(params, opt_state)
+        trajectory.append(params)
+    return trajectory
+
+
+def test_scale_by_kfac_precon_power_takes_the_optimizer_steps():
+    """``scale_by_kfac(precon_power=-0.5)`` then ``sgd`` takes the steps of the Optimizer
+    with the same power; inside ``optax.masked`` the kept blocks get that power too."""
+    with jax.enable_x64():
+        params, batch = mlp_params(jnp.float64), mlp_batch(dtype=jnp.float64)
+        lr, damping, steps = 0.125, 2.0**-4, 3
+        common = dict(precon_power=-0.5, use_exact_inverses=True, curvature_ema=0.5)
+        opt = kfacx.Optimizer(
+            jax.value_and_grad(mlp_loss),
+            learning_rate_schedule=lr,
+            initial_damping=damping,
+            inverse_update_period=1,
+            **common,
+            **DETERMINISTIC,
+        )
+        want, state = [], opt.init(params, jax.random.key(0), batch)
+        current = params
+        for i in range(steps):
+            current, state, _ = opt.step(current, state, jax.random.key(i), batch)
+            want.append(current)
+        est = kfacx.BlockDiagonalCurvature(
+            mlp_loss,
+            default_estimation_mode="fisher_empirical",
+            exact_powers_to_cache=(-0.5,),
+            approx_powers_to_cache=(),
+        )
+        kfac = kfacx.scale_by_kfac(
+            est, (params, batch), damping=damping, inverse_update_period=1, **common
+        )
+        got = _scale_by_kfac_steps(optax.chain(kfac, optax.sgd(lr)), est, params, batch, steps)
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(flat(g), flat(w), rtol=1e-9, atol=1e-12)
+        # Masked to the output layer (a block of its own): the same step there; the
+        # hidden layer's gradient passes through both masks unchanged.
+        keep_out = dict(w1=False, b1=False, w2=True, b2=True)
+        masked = optax.chain(optax.masked(kfac, keep_out), optax.masked(optax.sgd(lr), keep_out))
+        got = _scale_by_kfac_steps(masked, est, params, batch, 1)[0]
+        grads = jax.grad(mlp_loss)(params, batch)
+        np.testing.assert_allclose(got["w1"], params["w1"] + grads["w1"], rtol=1e-12)
+        np.testing.assert_allclose(flat(got["w2"]), flat(want[0]["w2"]), rtol=1e-9, atol=1e-12)
+
+
+def test_masked_scale_by_kfac_scales_each_kept_blocks_damping_by_its_norm():
+    """``norm_to_scale_identity_weight_per_block`` inside ``optax.masked``: the kept
+    block is damped as in the whole model (its own norm times the damping)."""
+    with jax.enable_x64():
+        params, batch = mlp_params(jnp.float64), mlp_batch(dtype=jnp.float64)
+        est = kfacx.BlockDiagonalCurvature(
+            mlp_loss,
+            default_estimation_mode="fisher_empirical",
+            norm_to_scale_identity_weight_per_block="avg_diag",
+        )
+        kfac = kfacx.scale_by_kfac(est, (params, batch), damping=0.5, curvature_ema=0.0)
+        keep_out = dict(w1=False, b1=False, w2=True, b2=True)
+        whole = _scale_by_kfac_steps(kfac, est, params, batch, 1)[0]
+        masked = _scale_by_kfac_steps(optax.masked(kfac, keep_out), est, params, batch, 1)[0]
+        np.testing.assert_allclose(flat(masked["w2"]), flat(whole["w2"]), rtol=1e-12)
+        unscaled = kfacx.BlockDiagonalCurvature(
+            mlp_loss, default_estimation_mode="fisher_empirical"
+        )
+        plain = kfacx.scale_by_kfac(unscaled, (params, batch), damping=0.5, curvature_ema=0.0)
+        other = _scale_by_kfac_steps(plain, unscaled, params, batch, 1)[0]
+        assert not np.allclose(flat(other["w2"]), flat(whole["w2"]), rtol=1e-6)
+
+
+def test_scale_by_kfac_precon_power_bad_values_and_inject_hyperparams():
+    est = kfacx.BlockDiagonalCurvature(mlp_loss)
+    args = (mlp_params(), mlp_batch())
+    with pytest.raises(ValueError, match="precon_power=-0.3 needs use_exact_inverses"):
+        kfacx.scale_by_kfac(est, args, precon_power=-0.3)
+    with pytest.raises(ValueError, match="precon_power must be a negative number"):
+        kfacx.scale_by_kfac(est, args, precon_power="-1")
+    # The default (None) is not a hyperparameter; a number is, and must be made static.
+    injected = optax.inject_hyperparams(kfacx.scale_by_kfac)
+    assert "precon_power" not in injected(est, args).init(args[0]).hyperparams
+    tx = injected(est, args, precon_power=-0.5)
+    grads, state = jax.tree.map(jnp.zeros_like, args[0]), tx.init(args[0])
+    _, _, stats = est.value_grads_and_curvature_stats(jax.random.key(0), args)
+    with pytest.raises(ValueError, match=r"static_args=\('precon_power',\)"):
+        jax.jit(lambda s: tx.update(grads, s, curvature_stats=stats))(state)
+    static = optax.inject_hyperparams(kfacx.scale_by_kfac, static_args=("precon_power",))
+    assert "precon_power" not in static(est, args, precon_power=-1).init(args[0]).hyperparams
+
+
 # ----------------------------------------------------------------------------- step rejection
 
 
