@@ -323,20 +323,38 @@ FLAT_NAMES = {f.name: group for group, cls in CONFIGS.items() for f in dataclass
 # kfac-jax Optimizer arguments kfacx does not take, and why (a port gets this
 # instead of a generic "unknown argument").
 KFAC_JAX_ONLY = {
-    "always_use_exact_qmodel_for_damping_adjustment": "the exact quadratic model is always used",
-    "include_norms_in_stats": "the norms are always in the stats",
-    "include_per_param_norms_in_stats": "not supported; compute them from the returned params",
+    "include_per_param_norms_in_stats": (
+        "not supported; the stats have the whole model's grad, precon_grad and update "
+        "norms, and per-parameter norms of params and of the update (new minus old "
+        "params) can be computed from step's inputs and outputs"
+    ),
     "distributed_precon_apply": (
         "every device applies the preconditioner (cheap next to the refresh, which is "
         "distributed with distributed_inverses=True)"
     ),
-    "batch_process_func": "preprocess the batch before calling step",
+    "batch_process_func": (
+        "apply it at the start of the loss function (it then runs inside the compiled "
+        "step), or to the batch before calling step"
+    ),
     "register_only_generic": "use auto_register_tags=False (and register layers by hand)",
     "patterns_to_skip": "pass auto_register_kwargs=dict(graph_patterns=...) without them",
     "forbid_setting_attributes_after_finalize": "kfacx optimizers have no finalize step",
     "modifiable_attribute_exceptions": "kfacx optimizers have no finalize step",
     "invalid_metric_value": "stats of skipped steps are reported as computed, with skipped=True",
-    "should_vmap_estimator_samples": "samples are always vmapped",
+}
+
+# kfac-jax Optimizer options whose value is fixed in kfacx: taken with that value (a
+# port may keep them), an error with any other.
+KFAC_JAX_FIXED = {
+    "always_use_exact_qmodel_for_damping_adjustment": (
+        True,
+        "the damping adaptation always uses the exact quadratic model",
+    ),
+    "include_norms_in_stats": (
+        True,
+        "the grad, precon_grad and update norms are always in the stats",
+    ),
+    "should_vmap_estimator_samples": (True, "the estimator's samples are always vmapped"),
 }
 
 
@@ -364,12 +382,19 @@ def resolve_configs(
     for group, value in configs.items():
         if not isinstance(value, CONFIGS[group]):
             raise TypeError(f"{group} must be a {CONFIGS[group].__name__}, got {value!r}.")
-    for name in flat:
+    for name, value in flat.items():
         if name in KFAC_JAX_ONLY:
             raise TypeError(
                 f"Optimizer: kfac-jax's argument {name!r} is not taken by kfacx: "
                 f"{KFAC_JAX_ONLY[name]}."
             )
+        if name in KFAC_JAX_FIXED and value is not KFAC_JAX_FIXED[name][0]:
+            fixed, why = KFAC_JAX_FIXED[name]
+            raise ValueError(
+                f"Optimizer: {name}={value!r} is not supported: {why} ({name}={fixed} "
+                "is accepted for ports, or leave it out)."
+            )
+    flat = {k: v for k, v in flat.items() if k not in KFAC_JAX_FIXED}
     unknown = sorted(set(flat) - set(FLAT_NAMES))
     if unknown:
         raise TypeError(

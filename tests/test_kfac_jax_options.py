@@ -18,7 +18,7 @@ from jax.flatten_util import ravel_pytree
 
 import kfacx
 from kfacx import _calibration, _configs, blocks
-from kfacx._configs import KFAC_JAX_ONLY
+from kfacx._configs import KFAC_JAX_FIXED, KFAC_JAX_ONLY
 
 DETERMINISTIC = dict(estimation_mode="fisher_empirical", num_burnin_steps=0)
 PLAIN = (((1,), (0,)), ((), ()))
@@ -106,6 +106,18 @@ def test_the_options_are_taken_and_kfac_jax_only_keeps_what_does_not_apply():
     for name in (*added, "precon_damping_schedule", "regularized_parameters_path_exclusions"):
         assert name not in KFAC_JAX_ONLY
     assert "fisher_empirical_direct" in kfacx.ESTIMATION_MODES
+
+
+def test_kfac_jax_options_fixed_in_kfacx_are_taken_with_their_value_only():
+    fixed = {name: value for name, (value, _) in KFAC_JAX_FIXED.items()}
+    opt = kfacx.Optimizer(jax.value_and_grad(mlp_loss), **fixed)
+    assert opt.curvature == kfacx.Optimizer(jax.value_and_grad(mlp_loss)).curvature
+    for name, value in fixed.items():
+        with pytest.raises(ValueError, match=f"{name}={not value} is not supported: .*leave it"):
+            kfacx.Optimizer(jax.value_and_grad(mlp_loss), **{name: not value})
+    with pytest.raises(TypeError, match="'batch_process_func' is not taken .* loss function"):
+        kfacx.Optimizer(jax.value_and_grad(mlp_loss), batch_process_func=lambda b: b)
+    assert not set(KFAC_JAX_FIXED) & set(KFAC_JAX_ONLY)
 
 
 @pytest.mark.parametrize(
