@@ -1,29 +1,22 @@
-"""The examples run end to end (small settings)."""
+"""The examples run end to end (small settings), as scripts (`_scripts.run_script`)."""
 
 from __future__ import annotations
 
 import pathlib
-import subprocess
-import sys
+
+from _scripts import run_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+def _run(name: str, *args: str) -> str:
+    run = run_script(ROOT / "examples" / name, *args)
+    assert run.returncode == 0, run.stdout + run.stderr
+    return run.stdout
+
+
 def test_quickstart_trains_and_beats_chance():
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "examples" / "quickstart.py"),
-            "--steps",
-            "30",
-            "--print-every",
-            "10",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    ).stdout
+    out = _run("quickstart.py", "--steps", "30", "--print-every", "10")
     assert "test accuracy" in out
     kfac_acc = float(out.split("kfacx ")[1].split(",")[0])
     assert kfac_acc > 0.8, out
@@ -31,31 +24,24 @@ def test_quickstart_trains_and_beats_chance():
 
 def test_autoencoder_example_runs_and_writes_its_plot(tmp_path):
     plot = tmp_path / "ae.png"
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "examples" / "autoencoder_mnist.py"),
-            "--steps",
-            "4",
-            "--grid-steps",
-            "2",
-            "--batch-size",
-            "100",
-            "--burnin",
-            "1",
-            "--adam-rates",
-            "1e-3",
-            "--first-order",
-            "adam",
-            "--no-progress",
-            "--plot",
-            str(plot),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=True,
-    ).stdout
+    out = _run(
+        "autoencoder_mnist.py",
+        "--steps",
+        "4",
+        "--grid-steps",
+        "2",
+        "--batch-size",
+        "100",
+        "--burnin",
+        "1",
+        "--adam-rates",
+        "1e-3",
+        "--first-order",
+        "adam",
+        "--no-progress",
+        "--plot",
+        str(plot),
+    )
     assert plot.stat().st_size > 10_000
     rows = {
         line.split()[0]: line.split() for line in out.splitlines() if line[:1] and line[0] in "KAS"

@@ -5,25 +5,18 @@ from __future__ import annotations
 import math
 import pathlib
 import re
-import subprocess
-import sys
 
 import pytest
+from _scripts import run_script
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 
 
 def run_example(name: str, *args: str, cwd: pathlib.Path | None = None) -> str:
     """Runs ``examples/<name>`` with ``args``; returns its stdout (asserting exit code 0)."""
-    proc = subprocess.run(
-        [sys.executable, str(EXAMPLES / name), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=cwd,
-    )
-    assert proc.returncode == 0, f"exit code {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-    return proc.stdout
+    run = run_script(EXAMPLES / name, *args, cwd=cwd)
+    assert run.returncode == 0, f"exit code {run.returncode}\n{run.stdout}\n{run.stderr}"
+    return run.stdout
 
 
 def number(pattern: str, text: str) -> float:
@@ -116,11 +109,5 @@ def test_optax_pipeline_matches_chain(tmp_path):
 
 
 def test_optax_pipeline_rejects_indivisible_batch(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, str(EXAMPLES / "optax_pipeline.py"), "--batch-size", "30"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-    )
-    assert proc.returncode == 2 and "multiple of --microbatches" in proc.stderr
+    run = run_script(EXAMPLES / "optax_pipeline.py", "--batch-size", "30", cwd=tmp_path)
+    assert run.returncode == 2 and "multiple of --microbatches" in run.stderr
