@@ -9,9 +9,13 @@ from kfacx import blocks, graph_matcher, linalg, losses, parallel, tags, tracer
 from kfacx._compile import fast_compile_options
 from kfacx._partition import block_labels
 from kfacx.blocks import (
+    ConvTNT,
     ConvTwoKroneckerFactored,
+    ConvTwoKroneckerFactoredReduce,
     CurvatureBlock,
+    DenseTNT,
     DenseTwoKroneckerFactored,
+    DenseTwoKroneckerFactoredReduce,
     Diagonal,
     EmbeddingKroneckerFactored,
     Full,
@@ -92,9 +96,13 @@ __all__ = [
     "DEFAULT_LAYER_TAG_TO_BLOCK_CTOR",
     "ESTIMATION_MODES",
     "BlockDiagonalCurvature",
+    "ConvTNT",
     "ConvTwoKroneckerFactored",
+    "ConvTwoKroneckerFactoredReduce",
     "CurvatureBlock",
+    "DenseTNT",
     "DenseTwoKroneckerFactored",
+    "DenseTwoKroneckerFactoredReduce",
     "Diagonal",
     "EmbeddingKroneckerFactored",
     "EstimatorState",

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from kfacx._checks import Schedule, as_schedule, check_ema, check_int, check_precon_power, is_number
-from kfacx.blocks import check_norm_type
+from kfacx.blocks import check_norm_type, curvature_block_ctors
 from kfacx.estimator import ESTIMATION_MODES, BlockDiagonalCurvature
 
 # With the default curvature_batch_fraction=None, the curvature is estimated on
@@ -62,6 +62,11 @@ class CurvatureConfig:
         of every block is multiplied by that norm of the block's curvature
         estimate (`kfacx.blocks.block_norm`; a block whose norm is 0 keeps the
         plain damping). The quadratic model's damping is not scaled.
+      curvature_block: the blocks of the dense and convolution layers for the
+        whole model, a family of `kfacx.blocks.CURVATURE_BLOCKS` (``"kfac"``, or
+        ``"kfac_reduce"`` for layers over shared positions: inputs averaged and
+        cotangents summed over them, or ``"tnt"``); ``layer_tag_to_block_ctor``
+        overrides it.
     """
 
     estimation_mode: str = "fisher_gradients"
@@ -77,9 +82,11 @@ class CurvatureConfig:
     auto_register_tags: bool = True
     precon_power: float = -1.0
     norm_to_scale_identity_weight_per_block: str | None = None
+    curvature_block: str = "kfac"
 
     def __post_init__(self):
         check_precon_power(self.precon_power, self.use_exact_inverses)
+        curvature_block_ctors(self.curvature_block)
         check_norm_type(
             self.norm_to_scale_identity_weight_per_block, "norm_to_scale_identity_weight_per_block"
         )
@@ -422,6 +429,7 @@ def make_estimator(value_func: Callable[..., Any], cfg: CurvatureConfig) -> Bloc
         auto_register_tags=cfg.auto_register_tags,
         auto_register_kwargs=cfg.auto_register_kwargs,
         norm_to_scale_identity_weight_per_block=cfg.norm_to_scale_identity_weight_per_block,
+        curvature_block=cfg.curvature_block,
     )
 
 

@@ -50,9 +50,9 @@ class BlockDiagonalCurvature:
       params_index: the position of the parameters among ``func``'s arguments.
       layer_tag_to_block_ctor: maps tag names to block classes (or factories
         taking a `kfacx.blocks.LayerInfo`); overrides
-        `DEFAULT_LAYER_TAG_TO_BLOCK_CTOR` for the given names. A stacked layer
-        (inside a `lax.scan` over its parameters, e.g. `hk.layer_stack`) is
-        served by a `kfacx.blocks.StackedBlock` of its tag's block.
+        `DEFAULT_LAYER_TAG_TO_BLOCK_CTOR` and ``curvature_block`` for the given
+        names. A stacked layer (inside a `lax.scan` over its parameters, e.g.
+        `hk.layer_stack`) is served by a `kfacx.blocks.StackedBlock` of its tag's block.
       default_estimation_mode: one of `ESTIMATION_MODES`.
       num_samples: number of sampled cotangents per example in the sampling
         modes (their second moments are averaged).
@@ -68,9 +68,12 @@ class BlockDiagonalCurvature:
         block (in `update_cache` and the products) is multiplied by that norm of
         the block's curvature (`kfacx.blocks.block_norm`), so that the damping
         follows each block's scale.
+      curvature_block: the blocks of the dense and convolution layers, a family of
+        `kfacx.blocks.CURVATURE_BLOCKS`: ``"kfac"`` (default), ``"kfac_reduce"`` or ``"tnt"``.
 
     Raises:
-      ValueError: on an unknown estimation mode or norm, or a bad ``num_samples``.
+      ValueError: on an unknown estimation mode, norm or block family, or a bad
+        ``num_samples``.
       TypeError: if a block constructor is not callable.
 
     Example::
@@ -96,11 +99,15 @@ class BlockDiagonalCurvature:
         auto_register_tags: bool = True,
         auto_register_kwargs: Mapping[str, Any] | None = None,
         norm_to_scale_identity_weight_per_block: str | None = None,
+        curvature_block: str = "kfac",
     ):
         if not callable(func):
             raise TypeError(f"BlockDiagonalCurvature: func must be callable, got {func!r}.")
         _checks.check_int(num_samples, "BlockDiagonalCurvature: num_samples", minimum=1)
-        ctors = {**DEFAULT_LAYER_TAG_TO_BLOCK_CTOR, **_checks.block_ctors(layer_tag_to_block_ctor)}
+        family = blocks_lib.curvature_block_ctors(curvature_block)
+        ctors = {**DEFAULT_LAYER_TAG_TO_BLOCK_CTOR, **family}
+        ctors.update(_checks.block_ctors(layer_tag_to_block_ctor))
+        self.curvature_block = curvature_block
         self.func = func
         self.params_index = params_index
         self.layer_tag_to_block_ctor = ctors

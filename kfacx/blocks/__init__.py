@@ -32,6 +32,7 @@ from kfacx.blocks._embedding import (
     EmbeddingKroneckerFactored,
     EmbeddingPair,
 )
+from kfacx.blocks._families import CURVATURE_BLOCKS, curvature_block_ctors
 from kfacx.blocks._kronecker import (
     ConvTwoKroneckerFactored,
     DenseTwoKroneckerFactored,
@@ -41,6 +42,7 @@ from kfacx.blocks._kronecker import (
     TwoKroneckerFactored,
 )
 from kfacx.blocks._norms import NORM_TYPES, Factor, block_norm, check_norm_type, kronecker_pieces
+from kfacx.blocks._reduce import ConvTwoKroneckerFactoredReduce, DenseTwoKroneckerFactoredReduce
 from kfacx.blocks._stacked import StackedBlock
 from kfacx.blocks._tied import (
     TIED_TAG,
@@ -49,12 +51,18 @@ from kfacx.blocks._tied import (
     TiedFactor,
     TiedKroneckerFactored,
 )
+from kfacx.blocks._tnt import ConvTNT, DenseTNT
 
 __all__ = [
     "BlockState",
+    "CURVATURE_BLOCKS",
+    "ConvTNT",
     "ConvTwoKroneckerFactored",
+    "ConvTwoKroneckerFactoredReduce",
     "CurvatureBlock",
+    "DenseTNT",
     "DenseTwoKroneckerFactored",
+    "DenseTwoKroneckerFactoredReduce",
     "Diagonal",
     "EmbeddingCache",
     "EmbeddingEigen",
@@ -81,6 +89,7 @@ __all__ = [
     "WeightedMovingAverage",
     "block_norm",
     "check_norm_type",
+    "curvature_block_ctors",
     "flatten_params",
     "kronecker_pieces",
     "unflatten_params",

@@ -96,6 +96,13 @@ class TwoKroneckerFactored(CurvatureBlock):
         g, n, m = self.num_groups, self.input_size, self.output_size
         return ((g, n, n), (g, m, m))
 
+    def factor_values(self, state: BlockState) -> tuple[jax.Array, jax.Array]:
+        """The two factors ``(A, G)`` of the curvature ``A (x) G``: the moving averages
+        here; blocks that scale them (TNT) override this, and every product, refresh
+        and norm goes through it."""
+        a, g = state.factors
+        return a.value, g.value
+
     # ---------------------------------------------------------------- cache
 
     def init_cache(self, exact_powers_to_cache, approx_powers_to_cache, cache_eigenvalues):
@@ -113,7 +120,7 @@ class TwoKroneckerFactored(CurvatureBlock):
         return KroneckerCache(eigen=eigen, **pairs)
 
     def update_cache(self, state: BlockState, identity_weight: Any) -> BlockState:
-        a, g = (f.value for f in state.factors)
+        a, g = self.factor_values(state)
         cache: KroneckerCache = state.cache
         if cache.eigen is not None:
             cache = cache._replace(eigen=KroneckerEigen(*linalg.safe_eigh(a), *linalg.safe_eigh(g)))
@@ -126,7 +133,7 @@ class TwoKroneckerFactored(CurvatureBlock):
         cache: KroneckerCache = state.cache
         if not self._inverse_only(cache):
             return None
-        a, g = (f.value for f in state.factors)
+        a, g = self.factor_values(state)
 
         def finish(inverses):
             return state._replace(cache=cache._replace(inverse=KroneckerPair(*inverses)))
@@ -143,7 +150,7 @@ class TwoKroneckerFactored(CurvatureBlock):
     # ---------------------------------------------------------------- products
 
     def _multiply(self, state, vector, identity_weight):
-        a, g = (f.value for f in state.factors)
+        a, g = self.factor_values(state)
         v = self.params_to_matrix(vector).astype(self.dtype)
         out = a @ v @ g + jnp.asarray(identity_weight, self.dtype) * v
         return self._to_params(out, vector)
@@ -159,14 +166,14 @@ class TwoKroneckerFactored(CurvatureBlock):
 
     def _eigen(self, state: BlockState, use_cached: bool) -> KroneckerEigen:
         if not use_cached:
-            a, g = (f.value for f in state.factors)
+            a, g = self.factor_values(state)
             return KroneckerEigen(*linalg.safe_eigh(a), *linalg.safe_eigh(g))
         if state.cache.eigen is None:
             raise self._missing_cache("an eigendecomposition", "exact_powers_to_cache=(power,)")
         return state.cache.eigen
 
     def _approx_pair(self, state, identity_weight, power, use_cached) -> KroneckerPair:
-        a, g = (f.value for f in state.factors)
+        a, g = self.factor_values(state)
         return self._approx_cached_or_now(
             state, power, use_cached, lambda: self._approx_factors(a, g, identity_weight, power)
         )
@@ -192,7 +199,7 @@ class TwoKroneckerFactored(CurvatureBlock):
     # ---------------------------------------------------------------- dense matrix
 
     def to_dense_matrix(self, state: BlockState) -> jax.Array:
-        a, g = (f.value for f in state.factors)
+        a, g = self.factor_values(state)
         per_group = jax.vmap(jnp.kron)(a, g)
         blocks = jax.scipy.linalg.block_diag(*per_group)
         # Position of every parameter entry in the (group, row, column) layout.
@@ -394,7 +401,8 @@ class ConvTwoKroneckerFactored(TwoKroneckerFactored):
             dimension_numbers=self.dnums,
             precision=jax.lax.Precision.HIGHEST,
         )
-        p = jnp.moveaxis(p, self.dnums.out_spec[1], -1)
+        # Example-major rows (the batch axis first, as `row_mask` expects), features last.
+        p = jnp.moveaxis(p, self.dnums.out_spec[:2], (0, -1))
         return p.reshape(-1, self.groups, p.shape[-1] // self.groups)
 
     def compute_statistics(self, estimation_data, batch_size):

@@ -82,9 +82,10 @@ def kronecker_pieces(block: CurvatureBlock, state: BlockState) -> list[Piece]:
     own = getattr(block, "norm_pieces", None)
     if own is not None:
         return list(own(state))
-    values = [f.value for f in state.factors]
     if isinstance(block, TwoKroneckerFactored):
-        return [(Factor(values[0], True), Factor(values[1], True))]
+        a, g = block.factor_values(state)
+        return [(Factor(a, True), Factor(g, True))]
+    values = [f.value for f in state.factors]
     if isinstance(block, EmbeddingKroneckerFactored):
         return [(Factor(values[0], False), Factor(values[1], True))]
     if isinstance(block, _AbstractDiagonal):

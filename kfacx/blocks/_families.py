@@ -1,0 +1,42 @@
+"""Block families: the blocks of the dense and convolution tags, chosen by name.
+
+`kfacx.BlockDiagonalCurvature` (and `kfacx.Optimizer`) take ``curvature_block``,
+one of `CURVATURE_BLOCKS`, for the whole model; ``layer_tag_to_block_ctor`` still
+overrides it tag by tag.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from kfacx.blocks._kronecker import ConvTwoKroneckerFactored, DenseTwoKroneckerFactored
+from kfacx.blocks._reduce import ConvTwoKroneckerFactoredReduce, DenseTwoKroneckerFactoredReduce
+from kfacx.blocks._tnt import ConvTNT, DenseTNT
+
+#: ``curvature_block`` name -> the block class of each tag it sets.
+CURVATURE_BLOCKS: Mapping[str, Mapping[str, Callable[..., Any]]] = {
+    # K-FAC ("expand" for layers over shared positions): every position a row.
+    "kfac": {"dense_tag": DenseTwoKroneckerFactored, "conv_tag": ConvTwoKroneckerFactored},
+    # K-FAC-reduce: inputs averaged and cotangents summed over the positions.
+    "kfac_reduce": {
+        "dense_tag": DenseTwoKroneckerFactoredReduce,
+        "conv_tag": ConvTwoKroneckerFactoredReduce,
+    },
+    # TNT (tensor-normal training, kfac-jax's semantics): L (x) R / tr L.
+    "tnt": {"dense_tag": DenseTNT, "conv_tag": ConvTNT},
+}
+
+
+def curvature_block_ctors(name: Any) -> dict[str, Callable[..., Any]]:
+    """The block classes of the family ``name`` (a key of `CURVATURE_BLOCKS`).
+
+    Raises:
+      ValueError: for an unknown name, listing the known ones.
+    """
+    if not isinstance(name, str) or name not in CURVATURE_BLOCKS:
+        raise ValueError(
+            f"curvature_block must be one of {sorted(CURVATURE_BLOCKS)}, got {name!r} (per "
+            "tag, pass layer_tag_to_block_ctor instead)."
+        )
+    return dict(CURVATURE_BLOCKS[name])
