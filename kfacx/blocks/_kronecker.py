@@ -310,14 +310,18 @@ class DenseTwoKroneckerFactored(TwoKroneckerFactored):
         w = jnp.transpose(w, np.argsort(order))
         return (w, m[-1].reshape(self.parameters_shapes[1])) if self.has_bias else (w,)
 
-    def compute_statistics(self, estimation_data: Mapping[str, Sequence[jax.Array]], batch_size):
-        (x,) = estimation_data["inputs"]
-        (dy,) = estimation_data["outputs_tangent"]
+    def input_rows(self, x: jax.Array) -> jax.Array:
+        """The inputs as rows ``[rows, 1, input_size]``: one per example and position
+        (every free axis of ``x``), the contracted axes flattened, a 1 for the bias."""
         x_axes = tuple(a % x.ndim for a in self.x_axes)
         x = jnp.moveaxis(x, x_axes, tuple(range(x.ndim - len(x_axes), x.ndim)))
         x = x.reshape(-1, 1, self._in).astype(self.dtype)
-        if self.has_bias:
-            x = _with_ones(x)
+        return _with_ones(x) if self.has_bias else x
+
+    def compute_statistics(self, estimation_data: Mapping[str, Sequence[jax.Array]], batch_size):
+        (x,) = estimation_data["inputs"]
+        (dy,) = estimation_data["outputs_tangent"]
+        x = self.input_rows(x)
         dy = dy.reshape(-1, 1, self._out).astype(self.dtype)
         return _input_second_moment(x, estimation_data), _second_moment(dy, batch_size)
 
@@ -405,12 +409,16 @@ class ConvTwoKroneckerFactored(TwoKroneckerFactored):
         p = jnp.moveaxis(p, self.dnums.out_spec[:2], (0, -1))
         return p.reshape(-1, self.groups, p.shape[-1] // self.groups)
 
+    def input_rows(self, x: jax.Array) -> jax.Array:
+        """The input patches as rows ``[rows, groups, input_size]`` (`patches`, with a 1
+        for the bias)."""
+        rows = self.patches(x.astype(self.dtype))
+        return _with_ones(rows) if self.has_bias else rows
+
     def compute_statistics(self, estimation_data, batch_size):
         (x,) = estimation_data["inputs"]
         (dy,) = estimation_data["outputs_tangent"]
-        rows = self.patches(x.astype(self.dtype))
-        if self.has_bias:
-            rows = _with_ones(rows)
+        rows = self.input_rows(x)
         # dy: [samples, *output_shape]; the feature axis shifts by one.
         dy = jnp.moveaxis(dy.astype(self.dtype), self.dnums.out_spec[1] + 1, -1)
         dy = dy.reshape(-1, self.groups, self.out_per_group)

@@ -41,6 +41,7 @@ References:
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -53,7 +54,6 @@ from kfacx.blocks._kronecker import (
     DenseTwoKroneckerFactored,
     TwoKroneckerFactored,
     _second_moment,
-    _with_ones,
 )
 
 
@@ -96,14 +96,10 @@ def _tnt_scaled(left: jax.Array, right: jax.Array) -> tuple[jax.Array, jax.Array
     return left * scale, right * scale
 
 
-class DenseTNT(DenseTwoKroneckerFactored):
-    """TNT block of a dense layer (kfac-jax's ``DenseTNT``; the module docstring has the
-    definition). Every free axis of the input (batch, sequence...) is a row, as in
-    `DenseTwoKroneckerFactored`, whose layout and contractions it shares.
-
-    Raises:
-      ValueError: if the parameters do not fit the tag's contraction.
-    """
+class _TNTBlock(TwoKroneckerFactored):
+    """What DenseTNT and ConvTNT share: the statistics, from the K-FAC block's
+    ``input_rows`` (next in the method order) and the subclass's `cotangent_rows`, and
+    the scaled factors."""
 
     def factor_values(self, state: BlockState) -> tuple[jax.Array, jax.Array]:
         """``(L, R) / sqrt(s)`` of the moving averages (`_tnt_scaled`)."""
@@ -112,25 +108,39 @@ class DenseTNT(DenseTwoKroneckerFactored):
     def compute_statistics(
         self, estimation_data: Mapping[str, Sequence[jax.Array]], batch_size: int
     ) -> tuple[jax.Array, jax.Array]:
-        """This batch's ``(L, R)``, a row per example and position of the input's free axes.
+        """This batch's ``(L, R)`` per group, a row per example and position.
 
         Raises:
           ValueError: if the inputs' and the cotangents' rows do not pair up.
         """
         (x,) = estimation_data["inputs"]
         (dy,) = estimation_data["outputs_tangent"]
-        x_axes = tuple(a % x.ndim for a in self.x_axes)
-        x = jnp.moveaxis(x, x_axes, tuple(range(x.ndim - len(x_axes), x.ndim)))
-        rows = x.reshape(-1, 1, self._in).astype(self.dtype)
-        if self.has_bias:
-            rows = _with_ones(rows)
-        # dy: [samples, *x's free axes, *w's free axes] -> [samples, rows, 1, outputs].
-        dy = dy.astype(self.dtype).reshape(dy.shape[0], -1, 1, self._out)
+        rows = self.input_rows(x)
+        dy = self.cotangent_rows(dy)
         _check_rows(self, rows, dy)
         return _tnt_statistics(rows, dy, batch_size, estimation_data)
 
+    @abc.abstractmethod
+    def cotangent_rows(self, dy: jax.Array) -> jax.Array:
+        """The output cotangents as ``[samples, rows, groups, output_size]``, the rows in
+        the order of the K-FAC block's ``input_rows``."""
 
-class ConvTNT(ConvTwoKroneckerFactored):
+
+class DenseTNT(_TNTBlock, DenseTwoKroneckerFactored):
+    """TNT block of a dense layer (kfac-jax's ``DenseTNT``; the module docstring has the
+    definition). Every free axis of the input (batch, sequence...) is a row, as in
+    `DenseTwoKroneckerFactored`, whose layout and contractions it shares.
+
+    Raises:
+      ValueError: if the parameters do not fit the tag's contraction.
+    """
+
+    def cotangent_rows(self, dy: jax.Array) -> jax.Array:
+        # [samples, *x's free axes, *w's free axes] -> [samples, rows, 1, outputs].
+        return dy.astype(self.dtype).reshape(dy.shape[0], -1, 1, self._out)
+
+
+class ConvTNT(_TNTBlock, ConvTwoKroneckerFactored):
     """TNT block of a convolution (kfac-jax's ``Conv2DTNT`` with
     ``weighting_per_location=True``, any number of spatial dimensions, feature groups):
     a row is one example at one output position, its input the patch of
@@ -140,30 +150,11 @@ class ConvTNT(ConvTwoKroneckerFactored):
       ValueError: if the layer's metadata does not describe a convolution.
     """
 
-    def factor_values(self, state: BlockState) -> tuple[jax.Array, jax.Array]:
-        """``(L, R) / sqrt(s)`` of the moving averages (`_tnt_scaled`)."""
-        return _tnt_scaled(*(f.value for f in state.factors))
-
-    def compute_statistics(
-        self, estimation_data: Mapping[str, Sequence[jax.Array]], batch_size: int
-    ) -> tuple[jax.Array, jax.Array]:
-        """This batch's ``(L, R)`` per group, a row per example and output position.
-
-        Raises:
-          ValueError: if the patches' and the cotangents' rows do not pair up.
-        """
-        (x,) = estimation_data["inputs"]
-        (dy,) = estimation_data["outputs_tangent"]
-        rows = self.patches(x.astype(self.dtype))
-        if self.has_bias:
-            rows = _with_ones(rows)
-        # dy: [samples, *output_shape] -> [samples, rows, groups, outputs], the rows in
-        # the patches' order (example-major).
+    def cotangent_rows(self, dy: jax.Array) -> jax.Array:
+        # [samples, *output_shape] -> [samples, rows (example-major), groups, outputs].
         out_batch, out_feature = self.dnums.out_spec[:2]
         dy = jnp.moveaxis(dy.astype(self.dtype), (out_batch + 1, out_feature + 1), (1, -1))
-        dy = dy.reshape(dy.shape[0], -1, self.groups, self.out_per_group)
-        _check_rows(self, rows, dy)
-        return _tnt_statistics(rows, dy, batch_size, estimation_data)
+        return dy.reshape(dy.shape[0], -1, self.groups, self.out_per_group)
 
 
 def _check_rows(block: TwoKroneckerFactored, rows: jax.Array, dy: jax.Array) -> None:
