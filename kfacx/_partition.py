@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import optax
 
-from kfacx import _checks, _identity_weights, _refresh, _statistics
+from kfacx import _identity_weights, _refresh, _statistics
 from kfacx.estimator import BlockDiagonalCurvature, CurvatureStats, EstimatorState
 
 __all__ = ["BlockSubset", "block_labels", "has_masked_nodes"]
@@ -149,7 +149,7 @@ class BlockSubset:
         self, state: EstimatorState, identity_weight: Any, pmap_axis_name: str | None = None
     ) -> EstimatorState:
         """Refreshes the kept blocks' caches (as `kfacx.BlockDiagonalCurvature.update_cache`)."""
-        _checks.check_damping(identity_weight, "update_cache", allow_zero=False)
+        _identity_weights.check(identity_weight, "update_cache", allow_zero=False)
         weights = self._weights(state, identity_weight)
         return EstimatorState(_refresh.refresh(self.blocks, state.blocks, weights, pmap_axis_name))
 
@@ -165,7 +165,7 @@ class BlockSubset:
         """``(C + identity_weight I)^power v`` on the kept blocks, for a masked tree ``v``
         (as `kfacx.BlockDiagonalCurvature.multiply_matpower`)."""
         if power != 1:
-            _checks.check_damping(identity_weight, "multiply_matpower", allow_zero=False)
+            _identity_weights.check(identity_weight, "multiply_matpower", allow_zero=False)
         leaves = jax.tree_util.tree_leaves(vector, is_leaf=_is_masked)
         values = [x for x in leaves if not _is_masked(x)]
         by_index = dict(zip(_present_indices(vector, self.index_tree), values, strict=True))
