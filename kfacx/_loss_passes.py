@@ -174,8 +174,11 @@ class BatchPasses:
         n = jnp.shape(jax.tree.leaves(chunk)[0])[0]
         return None, jnp.asarray(n, jnp.float32)
 
-    def value_grads_stats(self, params, func_state, rng, batch, with_stats: bool):
-        """Loss, gradient (and curvature statistics) averaged over the real examples."""
+    def value_grads_stats(
+        self, params, func_state, rng, batch, with_stats: bool, estimator_state=None
+    ):
+        """Loss, gradient (and curvature statistics) averaged over the real examples
+        (``estimator_state`` for the blocks whose statistics need it)."""
         est = self.estimator
         zero_stats = est.zero_curvature_stats()
         fraction = self.curvature_fraction(batch)
@@ -188,7 +191,11 @@ class BatchPasses:
             mask, n = self.weight(chunk)
             if with_stats and fraction == 1.0:
                 value, grads, stats = est.value_grads_and_curvature_stats(
-                    curv_rng, args, self.call.has_aux_output, example_mask=mask
+                    curv_rng,
+                    args,
+                    self.call.has_aux_output,
+                    example_mask=mask,
+                    estimator_state=estimator_state,
                 )
             else:
                 value, grads = jax.value_and_grad(
@@ -198,7 +205,9 @@ class BatchPasses:
                 value = value[1]
                 stats = zero_stats
                 if with_stats:
-                    stats = self.subset_stats(params, state, model_rng, curv_rng, chunk, fraction)
+                    stats = self.subset_stats(
+                        params, state, model_rng, curv_rng, chunk, fraction, estimator_state
+                    )
             loss, new_state, aux = self.call.split_output(value)
             loss_sum, grad_sum = _add_weighted((loss_sum, grad_sum), n, (loss, grads))
             m = stats.batch_size
@@ -229,13 +238,19 @@ class BatchPasses:
         n = _leading_size(batch)
         return max(math.ceil(n / 8), min(n, AUTO_CURVATURE_EXAMPLES)) / n
 
-    def subset_stats(self, params, func_state, model_rng, curv_rng, chunk, fraction):
+    def subset_stats(
+        self, params, func_state, model_rng, curv_rng, chunk, fraction, estimator_state=None
+    ):
         """Curvature statistics of the leading ``fraction`` of ``chunk``."""
         m = _subset_size(chunk, fraction)
         sub = jax.tree.map(lambda x: x[:m], chunk)
         args = self.call.args(params, func_state, model_rng, sub)
         return self.estimator.compute_curvature_stats(
-            curv_rng, args, example_mask=self.mask(sub), has_aux=self.call.has_aux_output
+            curv_rng,
+            args,
+            example_mask=self.mask(sub),
+            has_aux=self.call.has_aux_output,
+            estimator_state=estimator_state,
         )
 
     def _aux_shape(self, params, func_state, rng, batch):

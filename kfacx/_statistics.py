@@ -77,7 +77,7 @@ def zero_stats(
 ) -> CurvatureStats:
     """Statistics of zero batches (zeros shaped like every block's factors)."""
     stats = tuple(
-        tuple(jnp.zeros(s, b.dtype) for s in b.factor_shapes())
+        tuple(jnp.zeros(s, b.dtype) for s in b.statistics_shapes())
         + (() if c is None else (jnp.zeros(c, jnp.float32),))
         for b, c in zip(blocks, coverage_shapes, strict=True)
     )
@@ -111,6 +111,7 @@ def curvature_stats(
     num_samples: int,
     batch_size: Any,
     example_mask: jax.Array | None,
+    states: Sequence[Any] | None = None,
 ) -> CurvatureStats:
     """Every block's statistics of one batch (see `kfacx.BlockDiagonalCurvature`).
 
@@ -124,6 +125,8 @@ def curvature_stats(
       rng, num_samples: for the sampling modes.
       batch_size: the normaliser; None: the mask's sum, else the registered losses'.
       example_mask: ``[batch]`` weights of the examples, or None.
+      states: the blocks' states, for the blocks whose statistics need them
+        (``statistics_need_state``), or None.
     """
     if mode == DIRECT_MODE:
         if example_mask is not None:
@@ -138,9 +141,10 @@ def curvature_stats(
         batch_size = _batch_size(batch_size, losses, example_mask)
         data = vjp.sampled(cotangents, example_mask)
     safe = jnp.maximum(jnp.asarray(batch_size, jnp.float32), 1e-12)
+    states = (None,) * len(blocks) if states is None else states
     stats = tuple(
-        block_statistics(block, d, safe, c)
-        for block, d, c in zip(blocks, data, coverage_shapes, strict=True)
+        block_statistics(block, d, safe, c, s)
+        for block, d, c, s in zip(blocks, data, coverage_shapes, states, strict=True)
     )
     return CurvatureStats(stats, jnp.asarray(batch_size, jnp.float32))
 
@@ -211,14 +215,50 @@ def mask_leading(x: jax.Array, mask: jax.Array, axis: int) -> jax.Array:
     return x * mask.reshape(shape).astype(x.dtype)
 
 
+def block_states(blocks: Sequence[Any], estimator_state: Any) -> tuple[Any, ...] | None:
+    """The block states that the statistics of ``blocks`` need (``statistics_need_state``),
+    from an `kfacx.EstimatorState`; None if no block needs its state.
+
+    Raises:
+      ValueError: if a block needs its state and there is none, or the state is not
+        of these blocks.
+    """
+    needing = [b for b in blocks if getattr(b, "statistics_need_state", False)]
+    if not needing:
+        return None
+    if estimator_state is None:
+        more = f" (and {len(needing) - 1} more blocks)" if len(needing) > 1 else ""
+        raise ValueError(
+            f"The statistics of {needing[0]!r}{more} are taken in the basis kept in the "
+            "estimator state: pass estimator_state=... (with kfacx.scale_by_kfac: "
+            "kfacx.estimator_state(opt_state))."
+        )
+    if len(estimator_state.blocks) != len(blocks):
+        raise ValueError(
+            f"estimator_state has {len(estimator_state.blocks)} block states but the "
+            f"estimator has {len(blocks)} blocks; pass the state of the whole model's "
+            "estimator (blocks whose statistics need their state, such as EKFAC's, are not "
+            "supported inside optax.masked / optax.partition yet)."
+        )
+    return estimator_state.blocks
+
+
 def block_statistics(
-    block: Any, data: Any, batch_size: jax.Array, coverage_shape: tuple[int, ...] | None
+    block: Any,
+    data: Any,
+    batch_size: jax.Array,
+    coverage_shape: tuple[int, ...] | None,
+    state: Any = None,
 ) -> tuple[jax.Array, ...]:
-    """``block``'s statistics of one batch from its estimation data, followed by its
-    coverage (see `CurvatureStats`) when ``coverage_shape`` is not None."""
+    """``block``'s statistics of one batch from its estimation data (and its ``state``
+    if its statistics need it), followed by its coverage (see `CurvatureStats`) when
+    ``coverage_shape`` is not None."""
     data = dict(data)
     coverage = data.pop("coverage", None)
-    stats = tuple(block.compute_statistics(data, batch_size))
+    if getattr(block, "statistics_need_state", False):
+        stats = tuple(block.compute_statistics(data, batch_size, state=state))
+    else:
+        stats = tuple(block.compute_statistics(data, batch_size))
     if coverage_shape is None:
         return stats
     return (*stats, jnp.broadcast_to(coverage, coverage_shape).astype(jnp.float32))

@@ -144,7 +144,7 @@ class KfacStep:
         update_curvature = step % self.curvature.curvature_update_period == 0
         mask = self.regularization.leaf_mask(params)
         loss, grads, stats, new_func_state, aux = self._value_grads_stats(
-            params, func_state, rng, batch, update_curvature, mask
+            params, func_state, rng, batch, update_curvature, mask, state.estimator_state
         )
         lam, precon_lam = self._dampings(state, damping, global_step)
         update = self._update(
@@ -261,19 +261,23 @@ class KfacStep:
     def _pmean(self, tree):
         return jax.lax.pmean(tree, self.placement.axis_name)
 
-    def _value_grads_stats(self, params, func_state, rng, batch, update_curvature, mask):
+    def _value_grads_stats(
+        self, params, func_state, rng, batch, update_curvature, mask, estimator_state
+    ):
         """Loss, gradient (with ``l2_reg`` on the parameters ``mask`` selects),
         curvature statistics, the function's new state and aux, averaged over the
         devices (statistics only when ``update_curvature``, every
-        ``curvature_update_period`` steps)."""
+        ``curvature_update_period`` steps; ``estimator_state`` for the blocks whose
+        statistics need it)."""
         passes, axis = self.passes, self.placement.axis_name
+        args = (params, func_state, rng, batch)
         if self.curvature.curvature_update_period == 1:
-            out = passes.value_grads_stats(params, func_state, rng, batch, True)
+            out = passes.value_grads_stats(*args, True, estimator_state)
         else:
             out = jax.lax.cond(
                 update_curvature,
-                lambda: passes.value_grads_stats(params, func_state, rng, batch, True),
-                lambda: passes.value_grads_stats(params, func_state, rng, batch, False),
+                lambda: passes.value_grads_stats(*args, True, estimator_state),
+                lambda: passes.value_grads_stats(*args, False, estimator_state),
             )
         loss, grads, stats, new_func_state, aux = out
         if axis is not None:

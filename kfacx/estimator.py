@@ -288,7 +288,11 @@ class BlockDiagonalCurvature:
           ValueError: on an unknown estimation mode.
         """
         stats = self.compute_curvature_stats(
-            rng, func_args, estimation_mode=estimation_mode, batch_size=batch_size
+            rng,
+            func_args,
+            estimation_mode=estimation_mode,
+            batch_size=batch_size,
+            estimator_state=state,
         )
         return self.update_curvature_estimate_from_stats(
             state, stats, ema_old, ema_new, pmap_axis_name
@@ -302,6 +306,7 @@ class BlockDiagonalCurvature:
         batch_size: Any = None,
         example_mask: jax.Array | None = None,
         has_aux: bool = False,
+        estimator_state: EstimatorState | None = None,
     ) -> CurvatureStats:
         """This batch's curvature statistics (see `value_grads_and_curvature_stats`;
         ``has_aux`` matters only to ``fisher_empirical_direct``, which differentiates
@@ -315,7 +320,7 @@ class BlockDiagonalCurvature:
             )
         else:
             losses, vjp = tracer.layer_tags_vjp(func, func_args, self.params_index)
-        return self._stats(losses, vjp, mode, rng, batch_size, example_mask)
+        return self._stats(losses, vjp, mode, rng, batch_size, example_mask, estimator_state)
 
     def value_grads_and_curvature_stats(
         self,
@@ -324,6 +329,7 @@ class BlockDiagonalCurvature:
         has_aux: bool = False,
         estimation_mode: str | None = None,
         example_mask: jax.Array | None = None,
+        estimator_state: EstimatorState | None = None,
     ) -> tuple[Any, Any, CurvatureStats]:
         """The loss, its gradient and the curvature statistics, from one forward pass.
 
@@ -338,6 +344,10 @@ class BlockDiagonalCurvature:
             to the statistics, which average over the real examples only. The
             loss itself must mask them too (e.g. ``register_*_loss(..., mask=m)``
             and a loss normalised by ``m.sum()``).
+          estimator_state: the current `EstimatorState`; needed when a block's
+            statistics depend on it (``statistics_need_state``: the EKFAC blocks,
+            whose scaling is taken in the eigenbasis of the last refresh). Inside an
+            optax chain, `kfacx.estimator_state` finds it in the optimizer state.
 
         Returns:
           ``(value, grads, stats)``: ``func``'s output, the gradient of the
@@ -350,11 +360,12 @@ class BlockDiagonalCurvature:
         value, grads, losses, vjp = tracer.value_and_grad_and_layer_tags_vjp(
             func, func_args, self.params_index, has_aux
         )
-        stats = self._stats(losses, vjp, mode, rng, None, example_mask)
+        stats = self._stats(losses, vjp, mode, rng, None, example_mask, estimator_state)
         return value, grads, stats
 
-    def _stats(self, losses, vjp, mode, rng, batch_size, mask) -> CurvatureStats:
-        spec = (mode, rng, self.num_samples, batch_size, mask)
+    def _stats(self, losses, vjp, mode, rng, batch_size, mask, estimator_state) -> CurvatureStats:
+        states = _statistics.block_states(self._blocks, estimator_state)
+        spec = (mode, rng, self.num_samples, batch_size, mask, states)
         return _statistics.curvature_stats(self._blocks, self._coverage_shapes, losses, vjp, *spec)
 
     def update_curvature_estimate_from_stats(

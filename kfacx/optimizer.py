@@ -467,7 +467,7 @@ class Optimizer:
 
     def _burnin_step(self, params, state, rng, batch, func_state):
         _, _, stats, new_func_state, _ = self._passes.value_grads_stats(
-            params, func_state, rng, batch, True
+            params, func_state, rng, batch, True, state.estimator_state
         )
         axis = self.placement.axis_name
         ema = self.curvature.curvature_ema

@@ -51,6 +51,31 @@ class ScaleByKfacState(NamedTuple):
     estimator_state: EstimatorState
 
 
+def estimator_state(opt_state: Any) -> EstimatorState:
+    """The curvature estimator's state inside an optax state holding one `scale_by_kfac`
+    (in `optax.chain`, `optax.inject_hyperparams`, ...), for the blocks whose
+    statistics need it (EKFAC)::
+
+        loss, grads, stats = estimator.value_grads_and_curvature_stats(
+            rng, (params, batch), estimator_state=kfacx.estimator_state(opt_state))
+
+    Raises:
+      ValueError: if ``opt_state`` holds no `ScaleByKfacState`, or several.
+    """
+
+    def is_kfac(x: Any) -> bool:
+        return isinstance(x, ScaleByKfacState)
+
+    found = [x for x in jax.tree_util.tree_leaves(opt_state, is_leaf=is_kfac) if is_kfac(x)]
+    if len(found) != 1:
+        raise ValueError(
+            f"estimator_state: the optimizer state holds {len(found)} scale_by_kfac states; "
+            "expected exactly one (with several, take the estimator_state field of the "
+            "ScaleByKfacState you mean)."
+        )
+    return found[0].estimator_state
+
+
 def _replace_params(func_args: Sequence[Any], params: Any, index: int) -> tuple:
     args = list(func_args)
     args[index] = params

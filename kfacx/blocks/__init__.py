@@ -26,6 +26,7 @@ from kfacx.blocks._diagonal_full import (
     ScaleAndShiftDiagonal,
     ScaleAndShiftFull,
 )
+from kfacx.blocks._ekfac import ConvEKFAC, DenseEKFAC, EKFACCache, EmbeddingEKFAC
 from kfacx.blocks._embedding import (
     EmbeddingCache,
     EmbeddingEigen,
@@ -56,15 +57,19 @@ from kfacx.blocks._tnt import ConvTNT, DenseTNT
 __all__ = [
     "BlockState",
     "CURVATURE_BLOCKS",
+    "ConvEKFAC",
     "ConvTNT",
     "ConvTwoKroneckerFactored",
     "ConvTwoKroneckerFactoredReduce",
     "CurvatureBlock",
+    "DenseEKFAC",
     "DenseTNT",
     "DenseTwoKroneckerFactored",
     "DenseTwoKroneckerFactoredReduce",
     "Diagonal",
+    "EKFACCache",
     "EmbeddingCache",
+    "EmbeddingEKFAC",
     "EmbeddingEigen",
     "EmbeddingKroneckerFactored",
     "EmbeddingPair",

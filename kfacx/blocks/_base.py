@@ -193,6 +193,10 @@ class CurvatureBlock(abc.ABC):
       layer: the `LayerInfo` of the tagged layer.
     """
 
+    #: Whether `compute_statistics` reads the block's state (e.g. EKFAC: the eigenbasis
+    #: its scaling is taken in). The estimator then passes it as the keyword ``state``.
+    statistics_need_state: bool = False
+
     def __init__(self, layer: LayerInfo):
         self.layer = layer
         self.dtype = factor_dtype(layer.parameter_dtypes)
@@ -223,6 +227,11 @@ class CurvatureBlock(abc.ABC):
     def factor_shapes(self) -> tuple[tuple[int, ...], ...]:
         """Shapes of the moving-average factors."""
 
+    def statistics_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Shapes of what `compute_statistics` returns: the factors' (a block that keeps
+        a moving average outside its factors, e.g. in its cache, has more)."""
+        return self.factor_shapes()
+
     @abc.abstractmethod
     def compute_statistics(
         self, estimation_data: Mapping[str, Sequence[jax.Array]], batch_size: int
@@ -233,7 +242,8 @@ class CurvatureBlock(abc.ABC):
         the layer and ``"outputs_tangent"``: for every output an array of shape
         ``[num_samples, *output_shape]`` of cotangents whose second moments are
         *summed* over samples (the estimator scales them for averaging).
-        Statistics are normalised by ``batch_size``.
+        Statistics are normalised by ``batch_size``. A block with
+        ``statistics_need_state`` takes its `BlockState` as the keyword ``state``.
 
         With padded batches it also has ``"mask"``, per-example weights
         ``[batch]`` (0 for padding). The cotangents of padding examples are
@@ -335,7 +345,10 @@ class CurvatureBlock(abc.ABC):
         """Folds this batch's statistics into the moving averages: `compute_statistics`,
         a mean over ``pmap_axis_name`` if given, `update_from_statistics` (all blocks:
         `kfacx.BlockDiagonalCurvature.update_curvature_matrix_estimate`)."""
-        stats = self.compute_statistics(estimation_data, batch_size)
+        if self.statistics_need_state:
+            stats = self.compute_statistics(estimation_data, batch_size, state=state)
+        else:
+            stats = self.compute_statistics(estimation_data, batch_size)
         if pmap_axis_name is not None:
             stats = jax.lax.pmean(stats, pmap_axis_name)
         return self.update_from_statistics(state, stats, ema_old, ema_new)

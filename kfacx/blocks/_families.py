@@ -1,4 +1,5 @@
-"""Block families: the blocks of the dense and convolution tags, chosen by name.
+"""Block families: the blocks of the dense and convolution (and, for EKFAC, embedding)
+tags, chosen by name.
 
 `kfacx.BlockDiagonalCurvature` (and `kfacx.Optimizer`) take ``curvature_block``,
 one of `CURVATURE_BLOCKS`, for the whole model; ``layer_tag_to_block_ctor`` still
@@ -10,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from kfacx.blocks._ekfac import ConvEKFAC, DenseEKFAC, EmbeddingEKFAC
 from kfacx.blocks._kronecker import ConvTwoKroneckerFactored, DenseTwoKroneckerFactored
 from kfacx.blocks._reduce import ConvTwoKroneckerFactoredReduce, DenseTwoKroneckerFactoredReduce
 from kfacx.blocks._tnt import ConvTNT, DenseTNT
@@ -25,6 +27,8 @@ CURVATURE_BLOCKS: Mapping[str, Mapping[str, Callable[..., Any]]] = {
     },
     # TNT (tensor-normal training, kfac-jax's semantics): L (x) R / tr L.
     "tnt": {"dense_tag": DenseTNT, "conv_tag": ConvTNT},
+    # EKFAC: K-FAC's eigenbasis with the scaling re-estimated every step.
+    "ekfac": {"dense_tag": DenseEKFAC, "conv_tag": ConvEKFAC, "embedding_tag": EmbeddingEKFAC},
 }
 
 

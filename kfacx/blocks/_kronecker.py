@@ -318,6 +318,11 @@ class DenseTwoKroneckerFactored(TwoKroneckerFactored):
         x = x.reshape(-1, 1, self._in).astype(self.dtype)
         return _with_ones(x) if self.has_bias else x
 
+    def cotangent_rows(self, dy: jax.Array) -> jax.Array:
+        """The output cotangents ``[samples, *output_shape]`` as rows ``[samples, rows, 1,
+        output_size]``, in the order of `input_rows`."""
+        return dy.astype(self.dtype).reshape(dy.shape[0], -1, 1, self._out)
+
     def compute_statistics(self, estimation_data: Mapping[str, Sequence[jax.Array]], batch_size):
         (x,) = estimation_data["inputs"]
         (dy,) = estimation_data["outputs_tangent"]
@@ -414,6 +419,14 @@ class ConvTwoKroneckerFactored(TwoKroneckerFactored):
         for the bias)."""
         rows = self.patches(x.astype(self.dtype))
         return _with_ones(rows) if self.has_bias else rows
+
+    def cotangent_rows(self, dy: jax.Array) -> jax.Array:
+        """The output cotangents ``[samples, *output_shape]`` as rows ``[samples, rows,
+        groups, out_per_group]``, one per example and output position, in the order of
+        `input_rows` (example-major)."""
+        out_batch, out_feature = self.dnums.out_spec[:2]
+        dy = jnp.moveaxis(dy.astype(self.dtype), (out_batch + 1, out_feature + 1), (1, -1))
+        return dy.reshape(dy.shape[0], -1, self.groups, self.out_per_group)
 
     def compute_statistics(self, estimation_data, batch_size):
         (x,) = estimation_data["inputs"]

@@ -91,6 +91,14 @@ class StackedBlock(CurvatureBlock):
     def factor_shapes(self):
         return tuple((self.stack_size, *s) for s in self.inner.factor_shapes())
 
+    def statistics_shapes(self):
+        return tuple((self.stack_size, *s) for s in self.inner.statistics_shapes())
+
+    @property
+    def statistics_need_state(self) -> bool:  # type: ignore[override]
+        """The inner block's."""
+        return self.inner.statistics_need_state
+
     def init(
         self,
         rng: jax.Array,
@@ -118,11 +126,16 @@ class StackedBlock(CurvatureBlock):
             axes["mask"] = 0  # per slice: [L, batch]
         return axes
 
-    def compute_statistics(self, estimation_data, batch_size):
+    def compute_statistics(self, estimation_data, batch_size, state=None):
         data = dict(estimation_data)
+        axes = self._data_axes(data)
+        if not self.statistics_need_state:
+            return jax.vmap(
+                lambda d: self.inner.compute_statistics(d, batch_size), in_axes=(axes,)
+            )(data)
         return jax.vmap(
-            lambda d: self.inner.compute_statistics(d, batch_size), in_axes=(self._data_axes(data),)
-        )(data)
+            lambda d, s: self.inner.compute_statistics(d, batch_size, state=s), in_axes=(axes, 0)
+        )(data, state)
 
     def update_curvature_matrix_estimate(
         self,

@@ -41,7 +41,6 @@ References:
 
 from __future__ import annotations
 
-import abc
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -98,8 +97,8 @@ def _tnt_scaled(left: jax.Array, right: jax.Array) -> tuple[jax.Array, jax.Array
 
 class _TNTBlock(TwoKroneckerFactored):
     """What DenseTNT and ConvTNT share: the statistics, from the K-FAC block's
-    ``input_rows`` (next in the method order) and the subclass's `cotangent_rows`, and
-    the scaled factors."""
+    ``input_rows`` and ``cotangent_rows`` (next in the method order), and the scaled
+    factors."""
 
     def factor_values(self, state: BlockState) -> tuple[jax.Array, jax.Array]:
         """``(L, R) / sqrt(s)`` of the moving averages (`_tnt_scaled`)."""
@@ -120,11 +119,6 @@ class _TNTBlock(TwoKroneckerFactored):
         _check_rows(self, rows, dy)
         return _tnt_statistics(rows, dy, batch_size, estimation_data)
 
-    @abc.abstractmethod
-    def cotangent_rows(self, dy: jax.Array) -> jax.Array:
-        """The output cotangents as ``[samples, rows, groups, output_size]``, the rows in
-        the order of the K-FAC block's ``input_rows``."""
-
 
 class DenseTNT(_TNTBlock, DenseTwoKroneckerFactored):
     """TNT block of a dense layer (kfac-jax's ``DenseTNT``; the module docstring has the
@@ -134,10 +128,6 @@ class DenseTNT(_TNTBlock, DenseTwoKroneckerFactored):
     Raises:
       ValueError: if the parameters do not fit the tag's contraction.
     """
-
-    def cotangent_rows(self, dy: jax.Array) -> jax.Array:
-        # [samples, *x's free axes, *w's free axes] -> [samples, rows, 1, outputs].
-        return dy.astype(self.dtype).reshape(dy.shape[0], -1, 1, self._out)
 
 
 class ConvTNT(_TNTBlock, ConvTwoKroneckerFactored):
@@ -149,12 +139,6 @@ class ConvTNT(_TNTBlock, ConvTwoKroneckerFactored):
     Raises:
       ValueError: if the layer's metadata does not describe a convolution.
     """
-
-    def cotangent_rows(self, dy: jax.Array) -> jax.Array:
-        # [samples, *output_shape] -> [samples, rows (example-major), groups, outputs].
-        out_batch, out_feature = self.dnums.out_spec[:2]
-        dy = jnp.moveaxis(dy.astype(self.dtype), (out_batch + 1, out_feature + 1), (1, -1))
-        return dy.reshape(dy.shape[0], -1, self.groups, self.out_per_group)
 
 
 def _check_rows(block: TwoKroneckerFactored, rows: jax.Array, dy: jax.Array) -> None:

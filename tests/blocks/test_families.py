@@ -56,7 +56,7 @@ def test_a_tags_own_block_class_wins_and_bad_names_are_errors():
     est.init(jax.random.key(0), (params, batch))
     assert {type(b) for b in est.blocks} == {blocks.DenseTwoKroneckerFactored}
     for bad in ("reduce", None):
-        with pytest.raises(ValueError, match=r"curvature_block must be one of \['kfac'"):
+        with pytest.raises(ValueError, match=r"curvature_block must be one of \['ekfac', 'kfac'"):
             kfacx.BlockDiagonalCurvature(_seq_loss, curvature_block=bad)
     with pytest.raises(ValueError, match="curvature_block must be one of"):
-        kfacx.Optimizer(jax.value_and_grad(_seq_loss), curvature_block="ekfac")
+        kfacx.Optimizer(jax.value_and_grad(_seq_loss), curvature_block="shampoo")
