@@ -1,7 +1,7 @@
-"""Benchmark: the curvature blocks K-FAC, K-FAC-reduce and TNT on three problems.
+"""Benchmark: the curvature blocks K-FAC, K-FAC-reduce, TNT and EKFAC on three problems.
 
 `kfacx.Optimizer` runs once per ``curvature_block`` (``"kfac"``, ``"kfac_reduce"``,
-``"tnt"``), every other option as in the other benchmarks: ``l2_reg``, adaptive
+``"tnt"``, ``"ekfac"``), every other option as in the other benchmarks: ``l2_reg``, adaptive
 learning rate, momentum and damping, ``initial_damping=1.0``, everything else at
 kfacx's defaults (curvature on 1/8 of the batch but at least 128 examples,
 inverses every 5 steps, 10 burn-in steps). Every block starts from the same
@@ -76,7 +76,7 @@ import datasets  # noqa: E402
 import kfacx  # noqa: E402
 
 BLOCKS = tuple(kfacx.blocks.CURVATURE_BLOCKS)
-NAMES = {"kfac": "K-FAC", "kfac_reduce": "K-FAC-reduce", "tnt": "TNT"}
+NAMES = {"kfac": "K-FAC", "kfac_reduce": "K-FAC-reduce", "tnt": "TNT", "ekfac": "EKFAC"}
 L2_REG = 1e-5
 
 

@@ -65,8 +65,8 @@ class CurvatureConfig:
       curvature_block: the blocks of the dense and convolution layers for the
         whole model, a family of `kfacx.blocks.CURVATURE_BLOCKS` (``"kfac"``, or
         ``"kfac_reduce"`` for layers over shared positions: inputs averaged and
-        cotangents summed over them, or ``"tnt"``); ``layer_tag_to_block_ctor``
-        overrides it.
+        cotangents summed over them, ``"tnt"``, or ``"ekfac"``, which serves the
+        embedding layers too); ``layer_tag_to_block_ctor`` overrides it.
     """
 
     estimation_mode: str = "fisher_gradients"

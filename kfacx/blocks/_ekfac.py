@@ -17,8 +17,11 @@ Statistics. The moving averages of ``A`` and ``G`` are K-FAC's (shared positions
 every example at every position a row, as in `DenseTwoKroneckerFactored` and
 `ConvTwoKroneckerFactored`). The per-example gradient sums the rows of the example,
 ``G[s, n] = sum_p x[n, p] dy[s, n, p]^T`` (sample ``s``), so the scaling sees the
-correlation between positions that K-FAC's factors ignore; with one position per
-example it is ``((x U_A)^2)^T ((dy U_G)^2)``, a matmul. As with the other blocks,
+correlation between positions that K-FAC's factors ignore; the uses of a layer
+applied several times with the same weights (a `lax.scan` closing over them, or
+tied uses of one kind; `kfacx.blocks.LayerInfo.num_uses`) count as positions
+too. With one position and one use per example the scaling is
+``((x U_A)^2)^T ((dy U_G)^2)``, a matmul. As with the other blocks,
 the cotangents' second moments are summed over samples and the statistics divided
 by the batch size; padding examples have zero cotangents and add nothing.
 
@@ -275,7 +278,7 @@ class _KroneckerEKFAC(_EKFACBlock, TwoKroneckerFactored):
 
     @abc.abstractmethod
     def _num_examples(self, estimation_data) -> int:
-        """The examples in the data (the size of the inputs' batch axis)."""
+        """The size of the inputs' batch axis: the examples times the layer's uses."""
 
     def _scaling_statistic(self, estimation_data, batch_size, cache: EKFACCache):
         (x,) = estimation_data["inputs"]
@@ -287,14 +290,17 @@ class _KroneckerEKFAC(_EKFACBlock, TwoKroneckerFactored):
             rows = jnp.where(mask[:, None, None] > 0, rows, 0.0)
         rows = jnp.einsum("rgi,gij->rgj", rows, cache.inputs_basis)
         dy = jnp.einsum("srgi,gij->srgj", dy, cache.outputs_basis)
-        examples = self._num_examples(estimation_data)
-        positions = rows.shape[0] // examples
-        if positions == 1:
+        uses = self.layer.num_uses
+        examples = self._num_examples(estimation_data) // uses
+        positions = rows.shape[0] // (uses * examples)
+        if uses * positions == 1:
             dy_sq = jnp.sum(jnp.square(dy), axis=0)  # [R, groups, m]
             return jnp.einsum("rgi,rgj->gij", jnp.square(rows), dy_sq) / batch_size
-        rows = rows.reshape(examples, positions, *rows.shape[1:])
-        dy = dy.reshape(dy.shape[0], examples, positions, *dy.shape[2:])
-        grads = jnp.einsum("epgi,sepgj->segij", rows, dy)
+        # Rows are [uses, examples, positions] (uses folded use-major into the batch axis):
+        # an example's gradient sums its uses and positions.
+        rows = rows.reshape(uses, examples, positions, *rows.shape[1:])
+        dy = dy.reshape(dy.shape[0], uses, examples, positions, *dy.shape[2:])
+        grads = jnp.einsum("uepgi,suepgj->segij", rows, dy)
         return jnp.sum(jnp.square(grads), axis=(0, 1)) / batch_size
 
 
@@ -362,7 +368,7 @@ class EmbeddingEKFAC(_EKFACBlock, EmbeddingKroneckerFactored):
     def _scaling_statistic(self, estimation_data, batch_size, cache: EKFACCache):
         (ids,) = estimation_data["inputs"]
         (dy,) = estimation_data["outputs_tangent"]
-        examples = ids.shape[0]
+        examples = ids.shape[0] // self.layer.num_uses  # uses folded use-major
         ids = ids.reshape(-1)
         dy = dy.reshape(dy.shape[0], -1, self.width).astype(self.dtype) @ cache.outputs_basis[0]
         rows = ids.shape[0]
@@ -372,7 +378,9 @@ class EmbeddingEKFAC(_EKFACBlock, EmbeddingKroneckerFactored):
             return scaling[None] / batch_size
         # An example's gradient of row v sums its positions that look up v: group the rows
         # by (example, id), sum each group, square, then add each group to its id.
-        example = jnp.repeat(jnp.arange(examples), rows // examples, total_repeat_length=rows)
+        per_use = rows // self.layer.num_uses
+        example = jnp.repeat(jnp.arange(examples), per_use // examples, total_repeat_length=per_use)
+        example = jnp.tile(example, self.layer.num_uses)
         order = jnp.lexsort((ids, example))
         ids_sorted, example_sorted = ids[order], example[order]
         starts = jnp.concatenate(

@@ -286,13 +286,18 @@ def test_block_norms_are_the_dense_matrix_norms():
 # ----------------------------------------------------------------------------- embedding
 
 
-def embedding_setup(ids_shape):
-    """An `EmbeddingEKFAC` of a ``[7, 3]`` table, refreshed once, and a new batch."""
+def embedding_setup(ids_shape, uses=1):
+    """An `EmbeddingEKFAC` of a ``[7, 3]`` table (``uses`` uses folded use-major into the
+    batch axis), refreshed once, and a new batch."""
     vocab, width = 7, 3
     rng = np.random.default_rng(0)
     table = jnp.asarray(rng.standard_normal((vocab, width)))
     layer = blocks.LayerInfo.from_params(
-        "embedding_tag", [table], input_shapes=(ids_shape,), output_shapes=(ids_shape + (width,),)
+        "embedding_tag",
+        [table],
+        input_shapes=(ids_shape,),
+        output_shapes=(ids_shape + (width,),),
+        num_uses=uses,
     )
     block = blocks.EmbeddingEKFAC(layer)
 
@@ -302,16 +307,21 @@ def embedding_setup(ids_shape):
         dy = jnp.asarray(r.standard_normal((2, *ids_shape, width)))
         return dict(inputs=(ids,), outputs=(table[ids],), params=(table,), outputs_tangent=(dy,))
 
-    fns = jitted(block)
+    fns = jitted(block, ids_shape[0] // uses)
     state = fns["refresh"](fns["update"](block.init(jax.random.key(0)), data(1), 0.0, 1.0))
     return block, state, data(2), table
 
 
-@pytest.mark.parametrize("ids_shape", [(5,), (4, 6)], ids=["one_position", "sequence"])
-def test_embedding_scaling_is_the_rotated_per_example_gradients_squared(ids_shape):
+@pytest.mark.parametrize(
+    "ids_shape, uses",
+    [((5,), 1), ((4, 6), 1), ((6,), 2)],
+    ids=["one_position", "sequence", "two_uses"],
+)
+def test_embedding_scaling_is_the_rotated_per_example_gradients_squared(ids_shape, uses):
     """The input basis is the identity (the factor is diagonal); an example's gradient
-    of row ``v`` sums its positions that look ``v`` up (`jax.vjp` of the lookup)."""
-    block, state, data, table = embedding_setup(ids_shape)
+    of row ``v`` sums its positions and uses that look ``v`` up (`jax.vjp` of the lookup)."""
+    block, state, data, table = embedding_setup(ids_shape, uses)
+    examples = ids_shape[0] // uses
     assert state.cache.inputs_basis is None
     (ids,), (dy,) = data["inputs"], data["outputs_tangent"]
 
@@ -319,16 +329,18 @@ def test_embedding_scaling_is_the_rotated_per_example_gradients_squared(ids_shap
         _, vjp = jax.vjp(lambda t: t[idb], table)
         return vjp(dyb)[0]
 
-    g = C.fast_jit(jax.vmap(jax.vmap(grad), in_axes=(None, 0)))(ids, dy)  # [S, B, V, D]
+    g = C.fast_jit(jax.vmap(jax.vmap(grad), in_axes=(None, 0)))(ids, dy)  # [S, uses * B, V, D]
+    g = np.asarray(g).reshape(g.shape[0], uses, examples, *g.shape[2:]).sum(axis=1)
     u_g = np.asarray(state.cache.outputs_basis[0])
-    expected = np.sum((np.asarray(g) @ u_g) ** 2, axis=(0, 1)) / ids_shape[0]
-    stats = jitted(block)["stats"](data, state)
+    expected = np.sum((g @ u_g) ** 2, axis=(0, 1)) / examples
+    fns = jitted(block, examples)
+    stats = fns["stats"](data, state)
     close(stats[2][0], expected, "scaling")
     # Powers against the dense matrix Q diag(S) Q^T, Q = I (x) U_G.
-    state = jitted(block)["update"](state, data, 0.0, 1.0)
+    state = fns["update"](state, data, 0.0, 1.0)
     q = np.kron(np.eye(7), u_g)
     dense = (q * np.asarray(state.cache.scaling.value).ravel()) @ q.T
-    close(jitted(block)["dense"](state), dense, "dense")
+    close(fns["dense"](state), dense, "dense")
     vector = (jnp.asarray(np.random.default_rng(3).standard_normal((7, 3))),)
     for power in (1, -1, -0.5):
         out = block.multiply_matpower(state, vector, DAMPING, power, use_cached=True)
@@ -410,3 +422,18 @@ def test_estimator_needs_the_state_and_optax_finds_it():
         losses.append(float(loss))
     assert losses[-1] < losses[0], losses
     assert isinstance(kfacx.estimator_state(opt_state).blocks[0].cache, blocks.EKFACCache)
+
+
+def test_uses_of_a_layer_count_as_positions_of_the_example():
+    """A layer applied 3 times with the same weights (uses folded use-major into the
+    batch axis, as the tracer does for a scan closing over them): an example's gradient
+    sums its uses, and the scaling is taken from those sums."""
+    case = C.dense_case("uses", (12, 4), 3, True, blocks.DenseEKFAC)
+    block = blocks.DenseEKFAC(dataclasses.replace(case.layer(F64), num_uses=3))
+    fns = jitted(block, 4)
+    state = fns["refresh"](fns["update"](block.init(jax.random.key(0)), case.data(1, F64), 0, 1))
+    data = case.data(seed=2, dtype=F64)
+    g = example_gradients(case, block, data)  # [S, uses * examples, ...]
+    g = g.reshape(g.shape[0], 3, 4, *g.shape[2:]).sum(axis=1)
+    u_a, u_g = np.asarray(state.cache.inputs_basis), np.asarray(state.cache.outputs_basis)
+    close(fns["stats"](data, state)[2], rotated_scaling(g, u_a, u_g, 4), "scaling")
