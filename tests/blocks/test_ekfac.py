@@ -437,3 +437,41 @@ def test_uses_of_a_layer_count_as_positions_of_the_example():
     g = g.reshape(g.shape[0], 3, 4, *g.shape[2:]).sum(axis=1)
     u_a, u_g = np.asarray(state.cache.inputs_basis), np.asarray(state.cache.outputs_basis)
     close(fns["stats"](data, state)[2], rotated_scaling(g, u_a, u_g, 4), "scaling")
+
+
+def test_statistics_average_over_devices_and_micro_batches_like_the_full_batch():
+    """The scaling is a mean over examples, in the basis all devices share: statistics
+    of two halves (micro-batches) average to the full batch's, and a `pmap` update over
+    4 devices gives every device the full batch's state (``ggn_exact``: no sampling)."""
+    rng = np.random.default_rng(1)
+    params = {k: jnp.asarray(rng.standard_normal(s)) for k, s in (("w1", (3, 4)), ("w2", (4, 2)))}
+    x, t = jnp.asarray(rng.standard_normal((8, 5, 3))), jnp.asarray(rng.integers(0, 2, 8))
+    est = kfacx.BlockDiagonalCurvature(
+        _loss, curvature_block="ekfac", default_estimation_mode="ggn_exact"
+    )
+    key = jax.random.key(0)
+    state = est.init(key, (params, (x[:2], t[:2])))
+    # A non-trivial basis: one update and a refresh.
+    state = est.update_cache(
+        est.update_curvature_matrix_estimate(state, 0.0, 1.0, None, key, (params, (x, t))), 0.1
+    )
+
+    @jax.jit
+    def stats(x, t):
+        return est.compute_curvature_stats(key, (params, (x, t)), estimator_state=state).blocks
+
+    full = stats(x, t)
+    halves = [stats(x[i : i + 4], t[i : i + 4]) for i in (0, 4)]
+    for f, a, b in zip(jax.tree.leaves(full), *map(jax.tree.leaves, halves), strict=True):
+        close((a + b) / 2, f, "micro-batches")
+
+    def update(x, t):
+        return est.update_curvature_matrix_estimate(
+            state, 0.0, 1.0, None, key, (params, (x, t)), pmap_axis_name="i"
+        )
+
+    states = jax.pmap(update, axis_name="i")(x.reshape(4, 2, 5, 3), t.reshape(4, 2))
+    single = est.update_curvature_matrix_estimate(state, 0.0, 1.0, None, key, (params, (x, t)))
+    for d in (0, 3):
+        on_device = jax.tree.map(lambda leaf, d=d: leaf[d], states)
+        close(est.to_dense_matrix(on_device), est.to_dense_matrix(single), f"device {d}")
