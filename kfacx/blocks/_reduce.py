@@ -21,6 +21,12 @@ loss, at batch size 1, where expand is not; with one position the two are equal.
 The factors have the same sizes as expand's, so products, refreshes and norms are
 the base class's, and the statistics cost a mean and a sum over the positions less
 than expand's.
+
+The uses of a layer applied several times with the same weights (a `lax.scan`
+closing over them, tied uses of one kind: `kfacx.blocks.LayerInfo.num_uses`) are
+folded into the batch axis by the tracer, so these blocks reduce over the positions
+within each use and treat the uses as examples ("expand" over uses). EKFAC
+(`kfacx.blocks.DenseEKFAC`) sums an example's gradient over its uses as well.
 """
 
 from __future__ import annotations

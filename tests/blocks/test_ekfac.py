@@ -237,7 +237,8 @@ def test_padding_examples_add_nothing():
     block, state, _ = refreshed(case)
     data = case.data(seed=5, dtype=F64)
     (x,), (dy,) = data["inputs"], data["outputs_tangent"]
-    real = block.compute_statistics(data, case.batch_size, state=state)
+    stats = jitted(block, case.batch_size)["stats"]
+    real = stats(data, state)
     for fill, checked in ((1e3, slice(None)), (jnp.nan, slice(2, 3))):
         padded = dict(
             data,
@@ -245,7 +246,7 @@ def test_padding_examples_add_nothing():
             outputs_tangent=(jnp.concatenate([dy, jnp.zeros_like(dy[:, :1])], axis=1),),
             mask=jnp.array([1.0] * x.shape[0] + [0.0]),
         )
-        got = block.compute_statistics(padded, case.batch_size, state=state)
+        got = stats(padded, state)
         for r, p in zip(real[checked], got[checked], strict=True):
             close(p, r, f"padded with {fill}")
 
@@ -451,10 +452,13 @@ def test_statistics_average_over_devices_and_micro_batches_like_the_full_batch()
     )
     key = jax.random.key(0)
     state = est.init(key, (params, (x[:2], t[:2])))
+
+    @jax.jit
+    def single_update(state):
+        return est.update_curvature_matrix_estimate(state, 0.0, 1.0, None, key, (params, (x, t)))
+
     # A non-trivial basis: one update and a refresh.
-    state = est.update_cache(
-        est.update_curvature_matrix_estimate(state, 0.0, 1.0, None, key, (params, (x, t))), 0.1
-    )
+    state = jax.jit(est.update_cache)(single_update(state), 0.1)
 
     @jax.jit
     def stats(x, t):
@@ -471,7 +475,7 @@ def test_statistics_average_over_devices_and_micro_batches_like_the_full_batch()
         )
 
     states = jax.pmap(update, axis_name="i")(x.reshape(4, 2, 5, 3), t.reshape(4, 2))
-    single = est.update_curvature_matrix_estimate(state, 0.0, 1.0, None, key, (params, (x, t)))
+    dense = jax.jit(est.to_dense_matrix)
+    want = dense(single_update(state))
     for d in (0, 3):
-        on_device = jax.tree.map(lambda leaf, d=d: leaf[d], states)
-        close(est.to_dense_matrix(on_device), est.to_dense_matrix(single), f"device {d}")
+        close(dense(jax.tree.map(lambda leaf, d=d: leaf[d], states)), want, f"device {d}")
