@@ -269,16 +269,14 @@ class BlockDiagonalCurvature:
         estimation_mode: str | None = None,
         pmap_axis_name: str | None = None,
     ) -> EstimatorState:
-        """Folds the statistics of ``func_args``'s batch into every block.
-
-        `compute_curvature_stats` then `update_curvature_estimate_from_stats` (per
-        block: `kfacx.blocks.CurvatureBlock.update_curvature_matrix_estimate`).
+        """Folds the statistics of ``func_args``'s batch into every block:
+        `compute_curvature_stats` (given ``state``), then
+        `update_curvature_estimate_from_stats`.
 
         Args:
           state: the estimator state.
           ema_old, ema_new: moving-average weights (``new = old * ema_old + stat * ema_new``).
-          batch_size: the normaliser of the statistics; None takes the leading
-            dimension of the first registered loss's prediction.
+          batch_size: the statistics' normaliser (None: the first loss's batch size).
           rng: randomness for the sampling modes.
           func_args: the arguments of ``func`` (parameters and batch).
           estimation_mode: one of `ESTIMATION_MODES` (default: the constructor's).
@@ -287,13 +285,8 @@ class BlockDiagonalCurvature:
         Raises:
           ValueError: on an unknown estimation mode.
         """
-        stats = self.compute_curvature_stats(
-            rng,
-            func_args,
-            estimation_mode=estimation_mode,
-            batch_size=batch_size,
-            estimator_state=state,
-        )
+        spec = dict(estimation_mode=estimation_mode, batch_size=batch_size)
+        stats = self.compute_curvature_stats(rng, func_args, **spec, estimator_state=state)
         return self.update_curvature_estimate_from_stats(
             state, stats, ema_old, ema_new, pmap_axis_name
         )
@@ -309,8 +302,7 @@ class BlockDiagonalCurvature:
         estimator_state: EstimatorState | None = None,
     ) -> CurvatureStats:
         """This batch's curvature statistics (see `value_grads_and_curvature_stats`;
-        ``has_aux`` matters only to ``fisher_empirical_direct``, which differentiates
-        ``func``'s value)."""
+        ``has_aux`` matters only to ``fisher_empirical_direct``)."""
         mode = _statistics.check_mode(estimation_mode or self.default_estimation_mode)
         self._set_up(func_args)
         func = self.tagged_func(func_args)
@@ -344,10 +336,9 @@ class BlockDiagonalCurvature:
             to the statistics, which average over the real examples only. The
             loss itself must mask them too (e.g. ``register_*_loss(..., mask=m)``
             and a loss normalised by ``m.sum()``).
-          estimator_state: the current `EstimatorState`; needed when a block's
-            statistics depend on it (``statistics_need_state``: the EKFAC blocks,
-            whose scaling is taken in the eigenbasis of the last refresh). Inside an
-            optax chain, `kfacx.estimator_state` finds it in the optimizer state.
+          estimator_state: the `EstimatorState`, for blocks whose statistics need it
+            (``statistics_need_state``: EKFAC's scaling is taken in the eigenbasis of the
+            last refresh); `kfacx.estimator_state` finds it in an optax state.
 
         Returns:
           ``(value, grads, stats)``: ``func``'s output, the gradient of the
