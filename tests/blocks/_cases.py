@@ -520,3 +520,22 @@ def assert_close_rel(actual: Any, expected: Any, tol: float, what: str = "") -> 
     err = np.linalg.norm(actual - expected)
     scale = max(np.linalg.norm(expected), 1e-30)
     assert err <= tol * scale, f"{what}: relative error {err / scale:.3g} > {tol:.3g}"
+
+
+def stacked_two(case: Case, block_cls: type, dtype: Any, seeds=(5, 6)):
+    """``(StackedBlock of two slices of case's layer, their stacked data, the slices' data)``:
+    the data of seed ``seeds[i]`` is slice ``i`` (cotangents: layer axis after the samples)."""
+    info = case.layer(dtype)
+    fields = ("parameter_shapes", "input_shapes", "output_shapes")
+    stacked = blocks.StackedBlock(
+        dataclasses.replace(
+            info, **{f: tuple((2, *s) for s in getattr(info, f)) for f in fields}, stack_size=2
+        ),
+        block_cls,
+    )
+    slices = [case.data(seed=s, dtype=dtype) for s in seeds]
+    data = {
+        k: tuple(jnp.stack(xs, axis=int(k == "outputs_tangent")) for xs in zip(*vs, strict=True))
+        for k, vs in ((k, [d[k] for d in slices]) for k in slices[0])
+    }
+    return stacked, data, slices

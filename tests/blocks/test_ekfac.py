@@ -355,24 +355,8 @@ def test_embedding_scaling_is_the_rotated_per_example_gradients_squared(ids_shap
 def test_stacked_ekfac_is_each_slice_s_ekfac():
     """A `StackedBlock` of `DenseEKFAC` passes each slice its own state."""
     case = CASES[0]
-    info = case.layer(F64)
-    stacked = blocks.StackedBlock(
-        dataclasses.replace(
-            info,
-            **{
-                f: tuple((2, *s) for s in getattr(info, f))
-                for f in ("parameter_shapes", "input_shapes", "output_shapes")
-            },
-            stack_size=2,
-        ),
-        blocks.DenseEKFAC,
-    )
+    stacked, data, slices = C.stacked_two(case, blocks.DenseEKFAC, F64)
     assert stacked.statistics_need_state
-    slices = [case.data(seed=s, dtype=F64) for s in (5, 6)]
-    data = {
-        k: tuple(jnp.stack(xs, axis=int(k == "outputs_tangent")) for xs in zip(*vs, strict=True))
-        for k, vs in ((k, [d[k] for d in slices]) for k in slices[0])
-    }
     fns = jitted(stacked, case.batch_size)
     state = fns["refresh"](fns["update"](stacked.init(jax.random.key(0)), data, 0.0, 1.0))
     state = fns["update"](state, data, 0.0, 1.0)

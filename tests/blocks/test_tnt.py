@@ -12,7 +12,6 @@ kept at that row's output position only, in the block's matrix layout
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -311,23 +310,7 @@ def test_stacked_slices_are_scaled_separately():
     """A `StackedBlock` of two slices (its cache refresh sees both slices' factors at once):
     each slice's curvature is its own ``L (x) R / tr L``."""
     case = CASES[1]
-    info = case.layer(F64)
-    stacked = blocks.StackedBlock(
-        dataclasses.replace(
-            info,
-            **{
-                f: tuple((2, *s) for s in getattr(info, f))
-                for f in ("parameter_shapes", "input_shapes", "output_shapes")
-            },
-            stack_size=2,
-        ),
-        DenseTNT,
-    )
-    slices = [case.data(seed=s, dtype=F64) for s in (5, 6)]
-    data = {
-        k: tuple(jnp.stack(xs, axis=int(k == "outputs_tangent")) for xs in zip(*vs, strict=True))
-        for k, vs in ((k, [d[k] for d in slices]) for k in slices[0])
-    }
+    stacked, data, slices = C.stacked_two(case, DenseTNT, F64)
     vector = tuple(jnp.stack([v, -2 * v]) for v in case.vector(dtype=F64))
 
     @C.fast_jit
