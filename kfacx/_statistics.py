@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from kfacx.blocks._base import statistics_of
 from kfacx.losses import LossFunction
 from kfacx.parallel import _reductions
 
@@ -255,10 +256,7 @@ def block_statistics(
     ``coverage_shape`` is not None."""
     data = dict(data)
     coverage = data.pop("coverage", None)
-    if getattr(block, "statistics_need_state", False):
-        stats = tuple(block.compute_statistics(data, batch_size, state=state))
-    else:
-        stats = tuple(block.compute_statistics(data, batch_size))
+    stats = statistics_of(block, data, batch_size, state)
     if coverage_shape is None:
         return stats
     return (*stats, jnp.broadcast_to(coverage, coverage_shape).astype(jnp.float32))

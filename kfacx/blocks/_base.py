@@ -351,10 +351,7 @@ class CurvatureBlock(abc.ABC):
         """Folds this batch's statistics into the moving averages: `compute_statistics`,
         a mean over ``pmap_axis_name`` if given, `update_from_statistics` (all blocks:
         `kfacx.BlockDiagonalCurvature.update_curvature_matrix_estimate`)."""
-        if self.statistics_need_state:
-            stats = self.compute_statistics(estimation_data, batch_size, state=state)
-        else:
-            stats = self.compute_statistics(estimation_data, batch_size)
+        stats = statistics_of(self, estimation_data, batch_size, state)
         if pmap_axis_name is not None:
             stats = jax.lax.pmean(stats, pmap_axis_name)
         return self.update_from_statistics(state, stats, ema_old, ema_new)
@@ -481,3 +478,11 @@ class CurvatureBlock(abc.ABC):
             f"{self!r}: use_cached=True needs {what} in the cache; create the state with "
             f"init(..., {init_arg}) and call update_cache first."
         )
+
+
+def statistics_of(block: Any, estimation_data: Any, batch_size: Any, state: Any) -> tuple:
+    """``block.compute_statistics(estimation_data, batch_size)``, with ``state=state`` for a
+    block whose statistics need it (``statistics_need_state``)."""
+    if getattr(block, "statistics_need_state", False):
+        return tuple(block.compute_statistics(estimation_data, batch_size, state=state))
+    return tuple(block.compute_statistics(estimation_data, batch_size))
