@@ -295,7 +295,11 @@ class BatchPasses:
             args = self.call.args(params, state, model_rng, chunk)
             losses, jvp = est.linearized_losses(args)
             mask, n = self.weight(chunk)
-            return (gram_sum + ggn_gram_upper(losses, jvp, vectors, mask), total + n), state
+            # Each chunk's curvature is a mean over its losses' own rows (which need not be
+            # the batch's leading axis: logits flattened to [batch * positions, vocab]);
+            # the chunks are then averaged by their real examples, like the loss.
+            gram = ggn_gram_upper(losses, jvp, vectors, mask)
+            return (_add_weighted(gram_sum, n, gram), total + n), state
 
         num = k * (k + 1) // 2
         (gram_sum, total), _ = self.scan_batch(

@@ -135,7 +135,7 @@ def curvature_stats(
         batch_size = _batch_size(batch_size, losses, example_mask)
         data = vjp.value_gradient(jnp.asarray(batch_size, jnp.float32), example_mask)
     else:
-        cotangents = loss_cotangents(losses, mode, rng, num_samples)
+        cotangents = _per_loss_normalised(losses, loss_cotangents(losses, mode, rng, num_samples))
         if example_mask is not None:
             example_mask = check_mask(example_mask, losses)
             cotangents = tuple(mask_leading(c, example_mask, axis=1) for c in cotangents)
@@ -148,6 +148,19 @@ def curvature_stats(
         for block, d, c, s in zip(blocks, data, coverage_shapes, states, strict=True)
     )
     return CurvatureStats(stats, jnp.asarray(batch_size, jnp.float32))
+
+
+def _per_loss_normalised(
+    losses: Sequence[LossFunction], cotangents: Sequence[jax.Array]
+) -> tuple[jax.Array, ...]:
+    """``cotangents`` of losses with different row counts, rescaled so that each loss
+    counts as the mean over its own rows once the statistics divide by the first
+    loss's: loss ``i``'s by ``sqrt(B_0 / B_i)`` (they enter the statistics squared)."""
+    first = losses[0].batch_size
+    return tuple(
+        c if loss.batch_size == first else c * jnp.sqrt(first / loss.batch_size).astype(c.dtype)
+        for loss, c in zip(losses, cotangents, strict=True)
+    )
 
 
 def _batch_size(batch_size: Any, losses: Sequence[LossFunction], mask: jax.Array | None) -> Any:
@@ -288,13 +301,19 @@ def ggn_gram_upper(
     vectors: Sequence[Any],
     mask: jax.Array | None,
 ) -> jax.Array:
-    """The upper triangle (row-major) of ``sum_b (J v_i)_b^T H_b (J v_j)_b``.
+    """The upper triangle (row-major) of ``v_i^T C v_j`` for the exact curvature ``C`` of
+    the registered losses.
 
-    ``H_b`` is the Gauss-Newton matrix of the registered losses at example ``b``
-    (`kfacx.LossFunction.multiply_ggn`) and ``J`` the Jacobian of their predictions
-    with respect to the parameters: the exact curvature ``C`` in the directions
-    ``vectors``, summed (not averaged) over the examples, the padding ones (``mask``
-    0) left out. `gram_from_upper` makes the ``[k, k]`` matrix of it.
+    A loss registered on a prediction with ``B`` rows is the mean of its ``B`` terms (the
+    convention of `kfacx.register_softmax_cross_entropy_loss`), so its curvature is
+    ``(1/B) sum_b (J v_i)_b^T H_b (J v_j)_b``: ``H_b`` is the Gauss-Newton matrix of row
+    ``b`` (`kfacx.LossFunction.multiply_ggn`, the loss's weight included) and ``J`` the
+    Jacobian of the predictions with respect to the parameters. Each loss is averaged
+    over its own rows, whatever the batch's leading size: logits of a sequence model
+    flattened to ``[batch * positions, vocab]`` are averaged over all their rows, exactly
+    as the loss function does. With ``mask`` (``[B]`` weights of the examples, the same
+    ``B`` for every loss) the padding rows are left out and the average is over the
+    mask's sum. `gram_from_upper` makes the ``[k, k]`` matrix of it.
 
     Args:
       losses, jvp: the linearized losses
@@ -307,16 +326,21 @@ def ggn_gram_upper(
     """
     # One jvp per vector: on CPU this is about twice as fast as a vmapped jvp.
     tangents = [jax.tree.map(wide, jvp(v)) for v in vectors]
+    if mask is None:
+        norms = [jnp.asarray(loss.batch_size, jnp.float32) for loss in losses]
+    else:
+        mask = check_mask(mask, losses)
+        norms = [jnp.maximum(jnp.sum(mask), 1e-12)] * len(losses)
     k = len(vectors)
     rows = []
     for i in range(k):
         for j in range(i, k):
             total = jnp.zeros(())
-            for loss, ti, tj in zip(losses, tangents[i], tangents[j], strict=True):
+            for loss, norm, ti, tj in zip(losses, norms, tangents[i], tangents[j], strict=True):
                 prod = ti * loss.multiply_ggn(tj)
                 if mask is not None:
                     prod = prod * mask.reshape((-1,) + (1,) * (prod.ndim - 1)).astype(prod.dtype)
-                total = total + jnp.sum(prod)
+                total = total + jnp.sum(prod) / norm.astype(prod.dtype)
             rows.append(total)
     return jnp.stack(rows)
 
