@@ -7,6 +7,7 @@ register the loss on the model output, and precondition gradients with
 
 from kfacx import blocks, graph_matcher, linalg, losses, parallel, tags, tracer
 from kfacx._compile import fast_compile_options
+from kfacx._graft import GraftState, graft
 from kfacx._partition import block_labels
 from kfacx.blocks import (
     ConvEKFAC,
@@ -95,6 +96,8 @@ __all__ = [
     "block_labels",
     "estimator_state",
     "flag_non_finite_stats",
+    "GraftState",
+    "graft",
     "precondition",
     "scale_by_kfac",
     "DEFAULT_GRAPH_PATTERNS",
