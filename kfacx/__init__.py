@@ -7,6 +7,7 @@ register the loss on the model output, and precondition gradients with
 
 from kfacx import blocks, graph_matcher, linalg, losses, parallel, tags, tracer
 from kfacx._compile import fast_compile_options
+from kfacx._eigen_adam import ScaleByKfacEigenAdamState, scale_by_kfac_eigen_adam
 from kfacx._graft import GraftState, graft
 from kfacx._partition import block_labels
 from kfacx.blocks import (
@@ -92,6 +93,7 @@ __all__ = [
     "OptimizerState",
     "CurvatureStats",
     "ScaleByKfacState",
+    "ScaleByKfacEigenAdamState",
     "accumulate_curvature_stats",
     "block_labels",
     "estimator_state",
@@ -100,6 +102,7 @@ __all__ = [
     "graft",
     "precondition",
     "scale_by_kfac",
+    "scale_by_kfac_eigen_adam",
     "DEFAULT_GRAPH_PATTERNS",
     "DEFAULT_LAYER_TAG_TO_BLOCK_CTOR",
     "ESTIMATION_MODES",

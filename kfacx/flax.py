@@ -37,12 +37,13 @@ import optax
 from flax import nnx
 from flax.training import train_state
 
+from kfacx._eigen_adam import ScaleByKfacEigenAdamState
 from kfacx.estimator import BlockDiagonalCurvature, CurvatureStats
 from kfacx.transform import AccumulateCurvatureStatsState, ScaleByKfacState
 
 __all__ = ["NNXLoss", "TrainState", "nnx_value_grads_and_curvature_stats"]
 
-_KFAC_STATES = (ScaleByKfacState, AccumulateCurvatureStatsState)
+_KFAC_STATES = (ScaleByKfacState, ScaleByKfacEigenAdamState, AccumulateCurvatureStatsState)
 
 _HOW_TO_GET_STATS = (
     "loss, grads, stats = estimator.value_grads_and_curvature_stats(rng, func_args); "

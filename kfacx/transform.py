@@ -23,7 +23,6 @@ once the last micro-batch has arrived.
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -35,6 +34,16 @@ import optax
 
 from kfacx import _checks, _partition
 from kfacx._checks import check_precon_power
+from kfacx._transform_parts import (
+    check_curvature_stats,
+    checked_ema,
+    checked_period,
+    fold_statistics,
+    is_traced,
+    refresh_on_schedule,
+    reject_multi_steps,
+    replace_params,
+)
 from kfacx.estimator import BlockDiagonalCurvature, CurvatureStats, EstimatorState
 
 
@@ -53,33 +62,30 @@ class ScaleByKfacState(NamedTuple):
 
 def estimator_state(opt_state: Any) -> EstimatorState:
     """The curvature estimator's state inside an optax state holding one `scale_by_kfac`
-    (in `optax.chain`, `optax.inject_hyperparams`, ...), for the blocks whose
+    or `kfacx.scale_by_kfac_eigen_adam` (in `optax.chain`, `optax.inject_hyperparams`,
+    ...; any state tuple with an ``estimator_state`` field counts), for the blocks whose
     statistics need it (EKFAC)::
 
         loss, grads, stats = estimator.value_grads_and_curvature_stats(
             rng, (params, batch), estimator_state=kfacx.estimator_state(opt_state))
 
     Raises:
-      ValueError: if ``opt_state`` holds no `ScaleByKfacState`, or several.
+      ValueError: if ``opt_state`` holds no such state, or several.
     """
 
     def is_kfac(x: Any) -> bool:
-        return isinstance(x, ScaleByKfacState)
+        return isinstance(x, tuple) and isinstance(
+            getattr(x, "estimator_state", None), EstimatorState
+        )
 
     found = [x for x in jax.tree_util.tree_leaves(opt_state, is_leaf=is_kfac) if is_kfac(x)]
     if len(found) != 1:
         raise ValueError(
-            f"estimator_state: the optimizer state holds {len(found)} scale_by_kfac states; "
-            "expected exactly one (with several, take the estimator_state field of the "
-            "ScaleByKfacState you mean)."
+            f"estimator_state: the optimizer state holds {len(found)} scale_by_kfac states "
+            "(or scale_by_kfac_eigen_adam states); expected exactly one (with several, take "
+            "the estimator_state field of the one you mean)."
         )
     return found[0].estimator_state
-
-
-def _replace_params(func_args: Sequence[Any], params: Any, index: int) -> tuple:
-    args = list(func_args)
-    args[index] = params
-    return tuple(args)
 
 
 def precondition(
@@ -132,34 +138,28 @@ def precondition(
     Returns:
       ``(preconditioned, estimator_state)``.
     """
-    if update_curvature is True:
-        ema_old, ema_new = curvature_ema, 1.0 - curvature_ema
-    else:
-        ema_old = jnp.where(update_curvature, curvature_ema, 1.0)
-        ema_new = jnp.where(update_curvature, 1.0 - curvature_ema, 0.0)
-    state = estimator.update_curvature_estimate_from_stats(
-        estimator_state, curvature_stats, ema_old, ema_new, stats_axis_name
+    state = fold_statistics(
+        estimator,
+        estimator_state,
+        curvature_stats,
+        curvature_ema,
+        update_curvature,
+        stats_axis_name,
     )
     if refresh is None:
         refresh = lambda e, w: estimator.update_cache(e, w, refresh_axis_name)  # noqa: E731
-    state = jax.lax.cond(
-        count % inverse_update_period == 0, refresh, lambda e, w: e, state, damping
-    )
+    state = refresh_on_schedule(count, inverse_update_period, refresh, state, damping)
     precon = estimator.multiply_matpower(
         state, grads, damping, power, exact_power=use_exact_inverses, use_cached=True
     )
     return precon, state
 
 
-def _is_traced(value: Any) -> bool:
-    return isinstance(value, jax.core.Tracer)
-
-
 def _static_power(power: Any, use_exact_inverses: bool) -> float:
     """``precon_power`` as a float (-1 for None), from a number or a concrete array."""
     if power is None:
         return -1.0
-    if _is_traced(power):
+    if is_traced(power):
         raise ValueError(
             "scale_by_kfac: precon_power chooses a cached power and must be a number: with "
             "optax.inject_hyperparams, pass static_args=('precon_power',)."
@@ -177,51 +177,10 @@ def _damping_schedule(damping: Any) -> Callable[[jax.Array], Any]:
     if isinstance(damping, (jax.Array, np.ndarray)):
         if np.shape(damping) != () or not jnp.issubdtype(jnp.result_type(damping), jnp.floating):
             raise TypeError(f"damping must be a float scalar, got {damping!r}.")
-        if not _is_traced(damping):
+        if not is_traced(damping):
             _checks.check_damping(damping, "scale_by_kfac", allow_zero=False)
         return lambda count: damping
     return _checks.as_schedule(damping, "damping")
-
-
-def _checked_ema(curvature_ema: Any) -> Any:
-    if _is_traced(curvature_ema):
-        return curvature_ema
-    _checks.check_ema(curvature_ema)
-    return curvature_ema if isinstance(curvature_ema, jax.Array) else float(curvature_ema)
-
-
-def _checked_period(period: Any) -> Any:
-    """An int >= 1, or an int scalar array (`optax.inject_hyperparams`)."""
-    is_array = isinstance(period, (jax.Array, np.ndarray)) and np.shape(period) == ()
-    if is_array and jnp.issubdtype(jnp.result_type(period), jnp.integer):
-        if not _is_traced(period):
-            _checks.check_int(int(period), "inverse_update_period", minimum=1)
-        return period
-    return _checks.check_int(period, "inverse_update_period", minimum=1)
-
-
-#: The code of the functions of `optax.MultiSteps` that call the inner transformation.
-_MULTI_STEPS_CODE = frozenset(
-    getattr(optax.MultiSteps, name).__code__ for name in ("init", "update")
-)
-
-
-def _reject_multi_steps() -> None:
-    """Raises a ValueError when called (at any depth) from `optax.MultiSteps`."""
-    frame = inspect.currentframe()
-    while frame is not None:
-        if frame.f_code in _MULTI_STEPS_CODE:
-            raise ValueError(
-                "scale_by_kfac cannot run inside optax.MultiSteps: MultiSteps averages the "
-                "gradients of its mini-steps but gives the inner transformation only the last "
-                "mini-step's curvature_stats, and discards the inner state of the others, so the "
-                "curvature statistics would not be accumulated. Accumulate both with "
-                "optax.experimental.aggregating.process(optax.with_extra_args_support("
-                "optax.identity()), kfacx.accumulate_curvature_stats(estimator, k), "
-                "<the K-FAC chain>, aggregator_has_aux=True) (docs/optax.md, 'Micro-batches'), "
-                "or use kfacx.Optimizer(..., num_microbatches=k)."
-            )
-        frame = frame.f_back
 
 
 def scale_by_kfac(
@@ -298,8 +257,8 @@ def scale_by_kfac(
             f"scale_by_kfac: estimator must be a kfacx.BlockDiagonalCurvature, got {estimator!r}."
         )
     damping_fn = _damping_schedule(damping)
-    ema = _checked_ema(curvature_ema)
-    period = _checked_period(inverse_update_period)
+    ema = checked_ema(curvature_ema)
+    period = checked_period(inverse_update_period)
     power = _static_power(precon_power, use_exact_inverses)
     func_args = tuple(func_args)
     estimator.set_up(func_args)
@@ -307,9 +266,9 @@ def scale_by_kfac(
     refresh_axis = pmap_axis_name if distributed_inverses else None
 
     def init_fn(params):
-        _reject_multi_steps()
+        reject_multi_steps()
         if not _partition.has_masked_nodes(params):
-            args = _replace_params(func_args, params, estimator.params_index)
+            args = replace_params(func_args, params, estimator.params_index)
             return ScaleByKfacState(
                 jnp.zeros((), jnp.int32), estimator.init(jax.random.key(0), args)
             )
@@ -319,13 +278,8 @@ def scale_by_kfac(
 
     def update_fn(updates, state, params=None, *, curvature_stats=None, **extra_args):
         del params, extra_args
-        _reject_multi_steps()
-        if not isinstance(curvature_stats, CurvatureStats):
-            raise TypeError(
-                "scale_by_kfac.update needs the keyword argument curvature_stats=..., the "
-                "kfacx.CurvatureStats from estimator.value_grads_and_curvature_stats; got "
-                f"{type(curvature_stats).__name__}."
-            )
+        reject_multi_steps()
+        check_curvature_stats(curvature_stats, "scale_by_kfac.update")
         curvature = estimator
         if _partition.has_masked_nodes(updates):
             curvature = _partition.BlockSubset(estimator, example_params, updates)

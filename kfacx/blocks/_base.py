@@ -1,9 +1,8 @@
-"""The abstract curvature block, its state, and the layer description it is built from."""
+"""The abstract curvature block and its state (`LayerInfo`, the layer it serves: `_layer`)."""
 
 from __future__ import annotations
 
 import abc
-import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -20,6 +19,8 @@ from kfacx.blocks._arrays import (  # noqa: F401  (re-exported: the blocks impor
     row_mask,
     unflatten_params,
 )
+from kfacx.blocks._eigenbasis import missing_eigenbasis
+from kfacx.blocks._layer import LayerInfo
 
 
 def zeros(shape: Sequence[int], dtype: Any) -> jax.Array:
@@ -33,88 +34,6 @@ def zeros(shape: Sequence[int], dtype: Any) -> jax.Array:
 
 #: Cache fields of the approximate (factored-damping) powers a block can cache.
 APPROX_POWER_FIELDS = {-1.0: "inverse", -0.5: "inverse_sqrt"}
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerInfo:
-    """Static description of one tagged layer, everything a block is built from.
-
-    Attributes:
-      tag_name: the layer tag's name (e.g. ``"dense_tag"``).
-      parameter_paths: pytree paths of the layer's parameters (for messages).
-      parameter_shapes: shapes of the parameters, in the tag's order.
-      parameter_dtypes: dtypes of the parameters.
-      input_shapes: shapes of the layer inputs (leading axis: batch).
-      output_shapes: shapes of the layer outputs (leading axis: batch).
-      meta: the tag's static metadata (e.g. conv strides).
-      compute: ``compute(inputs, params, **meta) -> outputs`` or None.
-      num_uses: how many times the layer is applied with these parameters
-        (tied weights, or parameters closed over by a `lax.scan` body); the
-        estimation data of all uses is folded into the batch axis.
-      stack_size: None for an ordinary layer. For a *stacked* layer, ``L``: the
-        layer sits in a `lax.scan` (e.g. `hk.layer_stack`) that scans over its
-        parameters, so it is ``L`` independent layers whose parameters are
-        stacked along a leading axis; every shape above then starts with
-        ``L`` (`unstacked` describes one slice). The estimator serves it with
-        a `kfacx.blocks.StackedBlock`.
-      roles: for a *tied* layer (pseudo tag ``"tied"``: parameters that layer tags
-        of different kinds use, e.g. a table used for the embedding lookup and,
-        transposed, for the output projection), the `LayerInfo` of each kind of
-        use; empty otherwise. Its estimation data is ``{"roles": (data, ...)}``,
-        one per role, each as for an ordinary layer.
-      role_params: for each role, the positions of its parameters among this
-        layer's parameters.
-    """
-
-    tag_name: str
-    parameter_paths: tuple[str, ...]
-    parameter_shapes: tuple[tuple[int, ...], ...]
-    parameter_dtypes: tuple[Any, ...]
-    input_shapes: tuple[tuple[int, ...], ...] = ()
-    output_shapes: tuple[tuple[int, ...], ...] = ()
-    meta: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    compute: Callable[..., tuple] | None = None
-    num_uses: int = 1
-    stack_size: int | None = None
-    roles: tuple[LayerInfo, ...] = ()
-    role_params: tuple[tuple[int, ...], ...] = ()
-
-    @property
-    def name(self) -> str:
-        """A readable name: the tag and the parameter paths."""
-        return f"{self.tag_name}[{', '.join(self.parameter_paths)}]"
-
-    def unstacked(self) -> LayerInfo:
-        """The `LayerInfo` of one slice of a stacked layer (shapes without the layer axis).
-
-        Raises:
-          ValueError: if the layer is not stacked.
-        """
-        if self.stack_size is None:
-            raise ValueError(f"Layer {self.name} is not stacked (stack_size is None).")
-
-        def drop(shapes):
-            return tuple(tuple(s)[1:] for s in shapes)
-
-        return dataclasses.replace(
-            self,
-            parameter_shapes=drop(self.parameter_shapes),
-            input_shapes=drop(self.input_shapes),
-            output_shapes=drop(self.output_shapes),
-            stack_size=None,
-        )
-
-    @classmethod
-    def from_params(cls, tag_name: str, params: Sequence[Any], **kwargs: Any) -> LayerInfo:
-        """Builds a `LayerInfo` from example parameters (paths default to p0, p1, ...)."""
-        paths = kwargs.pop("parameter_paths", tuple(f"p{i}" for i in range(len(params))))
-        return cls(
-            tag_name=tag_name,
-            parameter_paths=tuple(paths),
-            parameter_shapes=tuple(tuple(p.shape) for p in params),
-            parameter_dtypes=tuple(p.dtype for p in params),
-            **kwargs,
-        )
 
 
 class WeightedMovingAverage(NamedTuple):
@@ -202,6 +121,11 @@ class CurvatureBlock(abc.ABC):
     #: Whether `compute_statistics` reads the block's state (e.g. EKFAC: the eigenbasis
     #: its scaling is taken in). The estimator then passes it as the keyword ``state``.
     statistics_need_state: bool = False
+
+    #: Whether the curvature is diagonal in the flattened parameters, so that its eigenbasis
+    #: is the identity: the default `to_eigenbasis`, `from_eigenbasis` and
+    #: `eigenbasis_change` then serve the block (otherwise they raise NotImplementedError).
+    eigenbasis_is_identity: bool = False
 
     def __init__(self, layer: LayerInfo):
         self.layer = layer
@@ -411,6 +335,40 @@ class CurvatureBlock(abc.ABC):
     ) -> Params:
         """``(C + identity_weight I)^-1 v``."""
         return self.multiply_matpower(state, vector, identity_weight, -1, exact_power, use_cached)
+
+    # ---------------------------------------------------------------- eigenbasis
+
+    def to_eigenbasis(self, state: BlockState, vector: Sequence[jax.Array]) -> Any:
+        """``Q^T v``: ``vector`` in the eigenbasis ``Q`` of the curvature cached at the last
+        `update_cache` (the identity before it), in the block's dtype. A Kronecker block
+        gives ``U_A^T V U_G [groups, n, m]``; the default, for blocks whose eigenbasis is
+        the identity, the flattened vector. Cheap (matmuls): no eigendecomposition.
+
+        Raises:
+          NotImplementedError: if the block defines no eigenbasis.
+          ValueError: if the cache holds no eigenbasis (create the state with
+            ``cache_eigenvalues=True``).
+        """
+        vector = self._check_vector(vector)
+        self._require_identity_eigenbasis()
+        return flatten_params(vector).astype(self.dtype)
+
+    def from_eigenbasis(self, state: BlockState, coordinates: Any) -> Params:
+        """``Q c``: coordinates shaped as `to_eigenbasis` returns them, back to arrays shaped
+        like the parameters (in the block's dtype)."""
+        self._require_identity_eigenbasis()
+        return unflatten_params(coordinates, self.parameters_shapes)
+
+    def eigenbasis_change(self, old_state: BlockState, new_state: BlockState, diagonal: Any) -> Any:
+        """A diagonal ``D`` in `to_eigenbasis`'s coordinates at ``old_state``, re-expressed
+        at ``new_state``: the diagonal of ``Q_new^T Q_old diag(D) Q_old^T Q_new`` (per
+        Kronecker factor ``R o R`` with ``R = U_new^T U_old``, as EKFAC's refresh)."""
+        self._require_identity_eigenbasis()
+        return diagonal
+
+    def _require_identity_eigenbasis(self) -> None:
+        if not self.eigenbasis_is_identity:
+            raise missing_eigenbasis(self)
 
     def _check_vector(self, vector: Sequence[jax.Array]) -> Params:
         vector = tuple(vector)

@@ -25,10 +25,19 @@ from kfacx.blocks._base import (
     unflatten_params,
     zeros,
 )
+from kfacx.blocks._eigenbasis import (
+    change_basis,
+    identity_stack,
+    missing_cached_eigenbasis,
+    rotate,
+)
 
 
 class _AbstractDiagonal(CurvatureBlock):
     """A diagonal block; subclasses say how per-example gradients are computed."""
+
+    #: Its eigenbasis is the identity: Adam in the eigenbasis is plain Adam here.
+    eigenbasis_is_identity = True
 
     @abc.abstractmethod
     def per_example_gradients(self, estimation_data) -> tuple[jax.Array, ...]:
@@ -109,7 +118,7 @@ class _AbstractFull(CurvatureBlock):
     def init_cache(self, exact_powers_to_cache, approx_powers_to_cache, cache_eigenvalues):
         if not (exact_powers_to_cache or approx_powers_to_cache or cache_eigenvalues):
             return None
-        return FullEigen(zeros((self.dim,), self.dtype), zeros((self.dim,) * 2, self.dtype))
+        return FullEigen(zeros((self.dim,), self.dtype), identity_stack(self.dim, self.dtype))
 
     def update_cache(self, state, identity_weight):
         if state.cache is None:
@@ -134,6 +143,27 @@ class _AbstractFull(CurvatureBlock):
         weight = linalg.floor_damping(identity_weight, jnp.sum(vals), self.dtype)
         scale = jnp.power(vals + weight, power)
         return self._unflatten(vecs @ (scale * (vecs.T @ v)), vector)
+
+    def to_eigenbasis(self, state, vector) -> jax.Array:
+        """``U^T v [dim]`` with the eigenvectors of the last refresh (the cache must hold
+        them: ``cache_eigenvalues=True``)."""
+        v = flatten_params(self._check_vector(vector)).astype(self.dtype)
+        return rotate(v, self._basis(state), None)
+
+    def from_eigenbasis(self, state, coordinates: jax.Array):
+        """``U c``, as parameters."""
+        flat = rotate(coordinates, self._basis(state), None, inverse=True)
+        return unflatten_params(flat, self.parameters_shapes)
+
+    def eigenbasis_change(self, old_state, new_state, diagonal: jax.Array) -> jax.Array:
+        """``(R o R) d`` with ``R = U_new^T U_old``."""
+        bases = [(self._basis(s), None) for s in (old_state, new_state)]
+        return change_basis(diagonal, *bases)
+
+    def _basis(self, state) -> jax.Array:
+        if state.cache is None:
+            raise missing_cached_eigenbasis(self)
+        return state.cache.eigenvectors
 
     def _unflatten(self, flat, like):
         return tuple(

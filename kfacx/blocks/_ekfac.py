@@ -54,7 +54,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from kfacx import linalg
 from kfacx.blocks._base import (
@@ -67,6 +66,7 @@ from kfacx.blocks._base import (
     row_mask,
     unflatten_params,
 )
+from kfacx.blocks._eigenbasis import change_basis, identity_stack, rotate
 from kfacx.blocks._embedding import EmbeddingKroneckerFactored
 from kfacx.blocks._kronecker import (
     ConvTwoKroneckerFactored,
@@ -92,23 +92,6 @@ class EKFACCache(NamedTuple):
     scaling: WeightedMovingAverage
 
 
-def _identity_stack(groups: int, size: int, dtype: Any) -> jax.Array:
-    """``groups`` identity matrices ``[groups, size, size]`` (a constant: no kernel)."""
-    eye = np.broadcast_to(np.eye(size, dtype=jnp.dtype(dtype)), (groups, size, size))
-    return jnp.asarray(eye)
-
-
-def _rotate(v: jax.Array, inputs_basis: jax.Array | None, outputs_basis: jax.Array, inverse: bool):
-    """``U_A^T v U_G`` per group (``inverse``: ``U_A v U_G^T``) for ``v [groups, n, m]``;
-    ``inputs_basis`` None is the identity."""
-    right = jnp.swapaxes(outputs_basis, -1, -2) if inverse else outputs_basis
-    out = v @ right
-    if inputs_basis is not None:
-        left = inputs_basis if inverse else jnp.swapaxes(inputs_basis, -1, -2)
-        out = left @ out
-    return out
-
-
 def _scaled_power(scaling: jax.Array, identity_weight: Any, power: float) -> jax.Array:
     """``(S + l)^p`` per group, ``l`` floored at the group's ``eps * sum(S)``
     (`kfacx.linalg.floor_damping`)."""
@@ -116,6 +99,10 @@ def _scaled_power(scaling: jax.Array, identity_weight: Any, power: float) -> jax
     trace = jnp.sum(scaling, axis=(-2, -1))
     damping = linalg.floor_damping(identity_weight, trace, scaling.dtype)[..., None, None]
     return jnp.power(scaling + damping, power)
+
+
+def _bases(cache: EKFACCache) -> tuple[jax.Array | None, jax.Array]:
+    return cache.inputs_basis, cache.outputs_basis
 
 
 class _EKFACBlock(CurvatureBlock):
@@ -162,8 +149,8 @@ class _EKFACBlock(CurvatureBlock):
         docstring), so the requested powers need no cache of their own."""
         del exact_powers_to_cache, approx_powers_to_cache, cache_eigenvalues
         g, n, m = self._layout()
-        inputs = None if self._diagonal_inputs else _identity_stack(g, n, self.dtype)
-        outputs = _identity_stack(g, m, self.dtype)
+        inputs = None if self._diagonal_inputs else identity_stack(n, self.dtype, (g,))
+        outputs = identity_stack(m, self.dtype, (g,))
         return EKFACCache(inputs, outputs, WeightedMovingAverage.zeros((g, n, m), self.dtype))
 
     def inverse_refresh(self, state: BlockState, identity_weight: Any) -> None:
@@ -188,15 +175,10 @@ class _EKFACBlock(CurvatureBlock):
         (module docstring)."""
         del identity_weight
         cache: EKFACCache = state.cache
-        new_in, new_out = self._new_bases(state)
-        raw = cache.scaling.raw_value
-        out_overlap = jnp.square(jnp.swapaxes(new_out, -1, -2) @ cache.outputs_basis)
-        raw = raw @ jnp.swapaxes(out_overlap, -1, -2)
-        if new_in is not None:
-            in_overlap = jnp.square(jnp.swapaxes(new_in, -1, -2) @ cache.inputs_basis)
-            raw = in_overlap @ raw
+        new_bases = self._new_bases(state)
+        raw = change_basis(cache.scaling.raw_value, _bases(cache), new_bases)
         scaling = cache.scaling._replace(raw_value=raw)
-        return state._replace(cache=EKFACCache(new_in, new_out, scaling))
+        return state._replace(cache=EKFACCache(*new_bases, scaling))
 
     # -------------------------------------------------------------- statistics
 
@@ -224,19 +206,29 @@ class _EKFACBlock(CurvatureBlock):
         scaling = self._scaling_statistic(estimation_data, batch_size, cache)
         return (*factors, scaling)
 
+    # -------------------------------------------------------------- eigenbasis
+
+    def to_eigenbasis(self, state: BlockState, vector: Sequence[jax.Array]) -> jax.Array:
+        """``U_A^T V U_G [groups, n, m]`` in the basis the scaling is kept in."""
+        v = self.params_to_matrix(self._check_vector(vector)).astype(self.dtype)
+        return rotate(v, *_bases(state.cache))
+
+    def from_eigenbasis(self, state: BlockState, coordinates: jax.Array) -> Params:
+        """``U_A C U_G^T`` per group, as parameters."""
+        return self.matrix_to_params(rotate(coordinates, *_bases(state.cache), inverse=True))
+
+    def eigenbasis_change(self, old_state, new_state, diagonal: jax.Array) -> jax.Array:
+        """``(R_A o R_A) D (R_G o R_G)^T`` with ``R = U_new^T U_old``: as the scaling's."""
+        return change_basis(diagonal, _bases(old_state.cache), _bases(new_state.cache))
+
     # -------------------------------------------------------------- products
 
     def _scaling(self, state: BlockState) -> jax.Array:
         return state.cache.scaling.value
 
     def _apply(self, state: BlockState, vector: Params, scale: jax.Array) -> Params:
-        cache: EKFACCache = state.cache
-        v = self.params_to_matrix(vector).astype(self.dtype)
-        rotated = _rotate(v, cache.inputs_basis, cache.outputs_basis, inverse=False)
-        out = _rotate(rotated * scale, cache.inputs_basis, cache.outputs_basis, inverse=True)
-        return tuple(
-            cast_to(p, x.dtype) for p, x in zip(self.matrix_to_params(out), vector, strict=True)
-        )
+        out = self.from_eigenbasis(state, self.to_eigenbasis(state, vector) * scale)
+        return tuple(cast_to(p, x.dtype) for p, x in zip(out, vector, strict=True))
 
     def _multiply(self, state, vector, identity_weight):
         scale = self._scaling(state) + jnp.asarray(identity_weight, self.dtype)

@@ -24,6 +24,12 @@ from kfacx.blocks._base import (
     row_mask,
     zeros,
 )
+from kfacx.blocks._eigenbasis import (
+    change_basis,
+    identity_stack,
+    missing_cached_eigenbasis,
+    rotate,
+)
 
 
 def id_frequencies(estimation_data, vocab: int, dtype) -> jax.Array:
@@ -94,7 +100,7 @@ class EmbeddingKroneckerFactored(CurvatureBlock):
         )
         eigen = None
         if exact_powers_to_cache or cache_eigenvalues:
-            eigen = EmbeddingEigen(zeros((d,), self.dtype), zeros((d, d), self.dtype))
+            eigen = EmbeddingEigen(zeros((d,), self.dtype), identity_stack(d, self.dtype))
         return EmbeddingCache(eigen=eigen, **pairs)
 
     def update_cache(self, state: BlockState, identity_weight: Any) -> BlockState:
@@ -169,6 +175,28 @@ class EmbeddingKroneckerFactored(CurvatureBlock):
         weight = linalg.floor_damping(identity_weight, jnp.sum(a) * jnp.sum(vals), w.dtype)
         scale = jnp.power(a[:, None] * vals[None, :] + weight, power)
         return ((w @ vecs) * scale) @ vecs.T
+
+    # ---------------------------------------------------------------- eigenbasis
+
+    def to_eigenbasis(self, state: BlockState, vector) -> jax.Array:
+        """``V U_G [vocab, dim]`` with ``G``'s eigenvectors of the last refresh (the input
+        factor is diagonal: its basis is the identity)."""
+        (v,) = self._check_vector(vector)
+        return rotate(v.astype(self.dtype), None, self._outputs_basis(state))
+
+    def from_eigenbasis(self, state: BlockState, coordinates: jax.Array) -> tuple[jax.Array]:
+        """``C U_G^T``, as the table."""
+        return (rotate(coordinates, None, self._outputs_basis(state), inverse=True),)
+
+    def eigenbasis_change(self, old_state, new_state, diagonal: jax.Array) -> jax.Array:
+        """``D (R_G o R_G)^T`` with ``R_G = U_new^T U_old``."""
+        bases = [(None, self._outputs_basis(s)) for s in (old_state, new_state)]
+        return change_basis(diagonal, *bases)
+
+    def _outputs_basis(self, state: BlockState) -> jax.Array:
+        if state.cache.eigen is None:
+            raise missing_cached_eigenbasis(self)
+        return state.cache.eigen.outputs_eigenvectors
 
     def _approx_pair(self, state, identity_weight, power, use_cached) -> EmbeddingPair:
         a, g = (f.value for f in state.factors)

@@ -33,6 +33,12 @@ from kfacx.blocks._base import (
     row_mask,
     zeros,
 )
+from kfacx.blocks._eigenbasis import (
+    change_basis,
+    identity_stack,
+    missing_cached_eigenbasis,
+    rotate,
+)
 
 
 class KroneckerEigen(NamedTuple):
@@ -114,8 +120,12 @@ class TwoKroneckerFactored(CurvatureBlock):
         )
         eigen = None
         if exact_powers_to_cache or cache_eigenvalues:
+            # The eigendecomposition of the zero factors, until the first refresh.
             eigen = KroneckerEigen(
-                zeros((g, n), dt), zeros((g, n, n), dt), zeros((g, m), dt), zeros((g, m, m), dt)
+                zeros((g, n), dt),
+                identity_stack(n, dt, (g,)),
+                zeros((g, m), dt),
+                identity_stack(m, dt, (g,)),
             )
         return KroneckerCache(eigen=eigen, **pairs)
 
@@ -190,6 +200,27 @@ class TwoKroneckerFactored(CurvatureBlock):
         damping = linalg.floor_damping(identity_weight, trace, v.dtype)[..., None, None]
         scale = jnp.power(vals_a[..., :, None] * vals_g[..., None, :] + damping, power)
         return u_a @ (rotated * scale) @ jnp.swapaxes(u_g, -1, -2)
+
+    # ---------------------------------------------------------------- eigenbasis
+
+    def to_eigenbasis(self, state: BlockState, vector: Sequence[jax.Array]) -> jax.Array:
+        """``U_A^T V U_G [groups, n, m]`` with the factors' eigenvectors of the last refresh
+        (the cache must hold them: ``cache_eigenvalues=True``)."""
+        v = self.params_to_matrix(self._check_vector(vector)).astype(self.dtype)
+        return rotate(v, *self._eigenbases(state))
+
+    def from_eigenbasis(self, state: BlockState, coordinates: jax.Array) -> Params:
+        """``U_A C U_G^T`` per group, as parameters."""
+        return self.matrix_to_params(rotate(coordinates, *self._eigenbases(state), inverse=True))
+
+    def eigenbasis_change(self, old_state, new_state, diagonal: jax.Array) -> jax.Array:
+        """``(R_A o R_A) D (R_G o R_G)^T`` with ``R = U_new^T U_old`` per group."""
+        return change_basis(diagonal, self._eigenbases(old_state), self._eigenbases(new_state))
+
+    def _eigenbases(self, state: BlockState) -> tuple[jax.Array, jax.Array]:
+        if state.cache.eigen is None:
+            raise missing_cached_eigenbasis(self)
+        return state.cache.eigen.inputs_eigenvectors, state.cache.eigen.outputs_eigenvectors
 
     def _to_params(self, matrix, like: Params) -> Params:
         return tuple(

@@ -201,6 +201,20 @@ class StackedBlock(CurvatureBlock):
 
         return tuple(jax.vmap(one)(state, vector))
 
+    # ---------------------------------------------------------------- eigenbasis
+
+    def to_eigenbasis(self, state: BlockState, vector: Sequence[jax.Array]) -> Any:
+        """The inner block's coordinates, slice by slice (a leading ``L`` axis)."""
+        return jax.vmap(self.inner.to_eigenbasis)(state, self._check_vector(vector))
+
+    def from_eigenbasis(self, state: BlockState, coordinates: Any) -> Params:
+        """The inner block's, slice by slice."""
+        return tuple(jax.vmap(self.inner.from_eigenbasis)(state, coordinates))
+
+    def eigenbasis_change(self, old_state: BlockState, new_state: BlockState, diagonal: Any):
+        """The inner block's, slice by slice."""
+        return jax.vmap(self.inner.eigenbasis_change)(old_state, new_state, diagonal)
+
     # ---------------------------------------------------------------- dense matrix
 
     def to_dense_matrix(self, state: BlockState) -> jax.Array:

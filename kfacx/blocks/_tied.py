@@ -34,6 +34,12 @@ import jax.numpy as jnp
 
 from kfacx import linalg
 from kfacx.blocks._base import BlockState, CurvatureBlock, LayerInfo, cast_to, row_mask, zeros
+from kfacx.blocks._eigenbasis import (
+    change_basis,
+    identity_stack,
+    missing_cached_eigenbasis,
+    rotate,
+)
 from kfacx.blocks._embedding import id_frequencies
 
 #: The pseudo tag name of a layer whose parameters several kinds of layer use.
@@ -232,7 +238,7 @@ class TiedKroneckerFactored(CurvatureBlock):
         def side(shape):
             n = shape[0]
             return TiedFactor(
-                zeros((n,), self.dtype), None if len(shape) == 1 else zeros(shape, self.dtype)
+                zeros((n,), self.dtype), None if len(shape) == 1 else identity_stack(n, self.dtype)
             )
 
         biases = tuple(side(self._bias_shape(i)) for i in self.biases)
@@ -292,6 +298,41 @@ class TiedKroneckerFactored(CurvatureBlock):
             out.append(_power(biases[i], b, identity_weight, power).reshape(v.shape))
         return tuple(cast_to(o, v.dtype) for o, v in zip(out, vector, strict=True))
 
+    # ---------------------------------------------------------------- eigenbasis
+
+    def to_eigenbasis(self, state: BlockState, vector) -> tuple[jax.Array, ...]:
+        """``(U_R^T W U_C, U_b^T b, ...)``: the weight in the eigenbases of the fitted
+        factors of the last refresh (a diagonal side's is the identity), each bias in its
+        factor's."""
+        vector = self._check_vector(vector)
+        sides = self._sides(state)
+        return tuple(
+            rotate(v.astype(self.dtype).reshape(-1) if i else v.astype(self.dtype), *side)
+            for i, (v, side) in enumerate(zip(vector, sides, strict=True))
+        )
+
+    def from_eigenbasis(self, state: BlockState, coordinates) -> tuple[jax.Array, ...]:
+        """The inverse of `to_eigenbasis`, as parameters."""
+        sides = self._sides(state)
+        return tuple(
+            rotate(c, *side, inverse=True).reshape(shape)
+            for c, side, shape in zip(coordinates, sides, self.parameters_shapes, strict=True)
+        )
+
+    def eigenbasis_change(self, old_state, new_state, diagonal) -> tuple[jax.Array, ...]:
+        """Per parameter, ``(R_R o R_R) D (R_C o R_C)^T`` with ``R = U_new^T U_old``."""
+        old, new = self._sides(old_state), self._sides(new_state)
+        return tuple(change_basis(*x) for x in zip(diagonal, old, new, strict=True))
+
+    def _sides(self, state: BlockState) -> list[tuple[jax.Array | None, jax.Array | None]]:
+        """Per parameter, its ``(input, output)`` eigenvectors in the cache (None: identity)."""
+        eigen: TiedEigen | None = state.cache.eigen
+        if eigen is None:
+            raise missing_cached_eigenbasis(self)
+        biases = dict(zip(self.biases, eigen.biases, strict=True))
+        sides = [(eigen.rows.vectors, eigen.cols.vectors)]
+        return sides + [(biases[i].vectors, None) for i in range(1, len(self.parameters_shapes))]
+
     def to_dense_matrix(self, state):
         rows, cols = self.fitted_factors(state)
         blocks = [jnp.kron(_as_matrix(rows), _as_matrix(cols))]
@@ -325,23 +366,15 @@ def _side(f: jax.Array) -> TiedFactor:
     return TiedFactor(linalg.clip_eigenvalues(vals), vecs)
 
 
-def _rotate(side: TiedFactor, x: jax.Array, axis: int, back: bool) -> jax.Array:
-    if side.vectors is None:
-        return x
-    q = side.vectors.T if back else side.vectors
-    return jnp.moveaxis(jnp.tensordot(x, q, axes=((axis,), (0,))), -1, axis)
-
-
 def _kron_power(rows: TiedFactor, cols: TiedFactor, w, identity_weight, power):
     """``(R kron C + d I)^power vec(w)`` from the eigendecompositions of ``R`` and ``C``."""
     scale = rows.values[:, None] * cols.values[None, :]
     d = linalg.floor_damping(identity_weight, jnp.sum(rows.values) * jnp.sum(cols.values), w.dtype)
-    z = _rotate(cols, _rotate(rows, w, 0, back=False), 1, back=False)
-    z = z * jnp.power(scale + d, power)
-    return _rotate(cols, _rotate(rows, z, 0, back=True), 1, back=True)
+    z = rotate(w, rows.vectors, cols.vectors) * jnp.power(scale + d, power)
+    return rotate(z, rows.vectors, cols.vectors, inverse=True)
 
 
 def _power(side: TiedFactor, b, identity_weight, power):
     d = linalg.floor_damping(identity_weight, jnp.sum(side.values), b.dtype)
-    z = _rotate(side, b, 0, back=False) * jnp.power(side.values + d, power)
-    return _rotate(side, z, 0, back=True)
+    z = rotate(b, side.vectors, None) * jnp.power(side.values + d, power)
+    return rotate(z, side.vectors, None, inverse=True)
