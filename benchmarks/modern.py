@@ -17,20 +17,27 @@ same order:
 - ``adamw``: AdamW with linear warmup (10 % of the steps) and cosine decay to 0.
 - ``muon``: ``optax.contrib.muon`` on the hidden weight matrices (attention and MLP
   matrices; the ResNet's convolution kernels after the stem, as matrices of
-  ``kh * kw * cin`` rows), its Adam part (at 0.1x the rate) for the embeddings, the
-  output layer, the norms and the biases; the same warmup and cosine schedule.
+  ``kh * kw * cin`` rows), its Adam part for the embeddings, the output layer, the
+  norms and the biases (at AdamW's best rate, or ``--muon-adam-lr``); the same warmup
+  and cosine schedule.
 - ``sfadamw``: ``optax.contrib.schedule_free_adamw`` with the same warmup; its held-out
   loss is evaluated at its averaged point.
 - ``kfac_readme``: `kfacx.Optimizer` with the README's settings (adaptive learning
   rate, momentum and damping; curvature on the default subset).
-- ``kfac_graft``: K-FAC's direction (of the gradient's momentum) grafted onto Adam's
-  per-layer step size (`kfacx.graft`), AdamW's warmup, cosine decay and weight decay.
-- ``kfac_eigen_adam``: Adam's second moment in the Kronecker eigenbasis
-  (`kfacx.scale_by_kfac_eigen_adam`), then momentum 0.9, AdamW's schedule and decay.
+- ``kfac_adamw``: `kfacx.kfac_adamw`: K-FAC's direction (of the gradient's momentum)
+  grafted onto Adam's per-layer step size, AdamW's warmup, cosine decay and weight decay.
+- ``kfac_soap``: `kfacx.kfac_soap`: Adam's second moment in the Kronecker eigenbasis
+  (``b2`` 0.95), momentum 0.9, AdamW's schedule and weight decay.
 
-The two optax K-FAC methods estimate the curvature on the leading ``--recipe-fraction``
-of each batch (an extra forward and backward pass on it) and refresh the factors'
-inverses / eigenbases every ``--recipe-inverse-period`` steps.
+As Muon's Adam part, the parameters outside the hidden matrices (embeddings, output
+layer, norms, biases, the ResNet's stem) of the two optax K-FAC methods take AdamW's
+best rate (``kfac_soap``: a tenth of it, as its momentum is a sum;
+``--uniform-rates`` gives them the grid's rate).
+
+The two optax K-FAC methods estimate the curvature on the leading 1/4 of each LM batch
+(8 sequences, 512 tokens) and 1/8 of each ResNet batch (16 images), an extra forward
+and backward pass on them (``--recipe-fraction``), and refresh the factors' inverses
+/ eigenbases every 10 steps (``--recipe-inverse-period``).
 
 Each first-order method runs at every rate of its grid (``--grid``); the best rate is
 the one with the lowest final training loss, and the script warns when it lies on
@@ -45,6 +52,7 @@ apart and excluded); the held-out loss at the end; the median step time as a rat
 to AdamW's.
 
 Run:  python benchmarks/modern.py [--problems lm,resnet] [--out benchmarks/modern.json]
+                                   [--plot docs/modern.png]
       python benchmarks/modern.py --problems lm --lm-width 256 --steps 300
 """
 
@@ -76,24 +84,25 @@ import datasets  # noqa: E402
 import kfacx  # noqa: E402
 
 FIRST_ORDER = ("adamw", "muon", "sfadamw")
-KFAC = ("kfac_readme", "kfac_graft", "kfac_eigen_adam")
+KFAC = ("kfac_readme", "kfac_adamw", "kfac_soap")
 WEIGHT_DECAY = 1e-4
 BURNIN_STEPS = kfacx.CurvatureConfig().num_burnin_steps
+RECIPE_FRACTION = {"lm": 0.25, "resnet": 0.125}
 # Learning-rate grids per problem kind (each brackets the method's best rate there).
 GRIDS = {
     "lm": {
-        "adamw": (1e-3, 3e-3, 1e-2),
-        "muon": (0.01, 0.02, 0.05),
-        "sfadamw": (1e-3, 3e-3, 1e-2),
-        "kfac_graft": (1e-3, 3e-3, 1e-2),
-        "kfac_eigen_adam": (1e-3, 3e-3, 1e-2),
+        "adamw": (1e-2, 3e-2, 0.1),
+        "muon": (0.02, 0.05, 0.1),
+        "sfadamw": (1e-2, 3e-2, 0.1),
+        "kfac_adamw": (3e-3, 1e-2, 3e-2),
+        "kfac_soap": (1e-3, 2e-3, 4e-3),
     },
     "resnet": {
         "adamw": (3e-3, 1e-2, 3e-2),
-        "muon": (0.005, 0.01, 0.02),
+        "muon": (0.01, 0.02, 0.05),
         "sfadamw": (3e-3, 1e-2, 3e-2),
-        "kfac_graft": (3e-3, 1e-2, 3e-2),
-        "kfac_eigen_adam": (3e-3, 1e-2, 3e-2),
+        "kfac_adamw": (1e-2, 3e-2, 0.1),
+        "kfac_soap": (1e-3, 3e-3, 1e-2),
     },
 }
 
@@ -222,6 +231,21 @@ def resnet_problem(width: int, args) -> Problem:
         return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, labels)), func_state
 
     order = common.batch_order(len(x), args.resnet_batch, args.steps, seed=0)
+    x_np = np.asarray(x)
+
+    def batch(i):
+        """Step ``i``'s images, each shifted by up to 2 pixels (zero padding; the shifts
+        seeded by ``i``, so every method sees the same batches)."""
+        images = x_np[order[i]]
+        if not args.resnet_shift:
+            return jnp.asarray(images), y[order[i]]
+        k = args.resnet_shift
+        padded = np.pad(images, ((0, 0), (k, k), (k, k), (0, 0)))
+        dy, dx = np.random.default_rng(i).integers(0, 2 * k + 1, (2, len(images)))
+        rows = dy[:, None] + np.arange(28)[None]
+        cols = dx[:, None] + np.arange(28)[None]
+        n = np.arange(len(images))[:, None, None]
+        return jnp.asarray(padded[n, rows[:, :, None], cols[:, None, :]]), y[order[i]]
 
     @jax.jit
     def held_out(params, func_state):
@@ -243,18 +267,23 @@ def resnet_problem(width: int, args) -> Problem:
     return Problem(
         f"resnet_w{width}",
         f"ResNet with batch norm, widths {width}/{2 * width}/{4 * width}, on MNIST "
-        f"(4,000 training images, batch {args.resnet_batch}), {n:,} parameters; "
+        f"(4,000 training images shifted by up to {args.resnet_shift} pixels, batch "
+        f"{args.resnet_batch}), {n:,} parameters; "
         "held-out loss on 1,000 images",
         loss_fn,
         params,
         func_state,
-        lambda i: (x[order[i]], y[order[i]]),
+        batch,
         held_out,
         muon_dims,
     )
 
 
 # ----------------------------------------------------------------------------- methods
+
+
+def _is_dims(x) -> bool:
+    return x is None or isinstance(x, optax.contrib.MuonDimensionNumbers)
 
 
 def warmup_cosine(peak: float, steps: int):
@@ -266,13 +295,15 @@ def decay_mask(params):
     return jax.tree.map(lambda p: p.ndim >= 2, params)
 
 
-def first_order_tx(method: str, lr: float, problem: Problem, steps: int):
+def first_order_tx(method: str, lr: float, problem: Problem, steps: int, adam_lr=None):
+    """The optax transformation of a first-order method at peak rate ``lr`` (Muon: the
+    rate of its orthogonalised part; ``adam_lr`` that of its Adam part)."""
     if method == "adamw":
         return optax.adamw(warmup_cosine(lr, steps), weight_decay=WEIGHT_DECAY, mask=decay_mask)
     if method == "muon":
         return optax.contrib.muon(
             warmup_cosine(lr, steps),
-            adam_learning_rate=warmup_cosine(0.1 * lr, steps),
+            adam_learning_rate=warmup_cosine(adam_lr or 0.1 * lr, steps),
             weight_decay=WEIGHT_DECAY,
             weight_decay_mask=decay_mask,
             muon_weight_dimension_numbers=problem.muon_dims,
@@ -308,8 +339,8 @@ def optax_runner(problem: Problem, tx) -> Runner:
     return Runner(lambda: tx.init(problem.params), jax.jit(step))
 
 
-def first_order_runner(method: str, lr: float, problem: Problem, steps: int) -> Runner:
-    runner = optax_runner(problem, first_order_tx(method, lr, problem, steps))
+def first_order_runner(method: str, lr: float, problem: Problem, steps: int, adam_lr=None):
+    runner = optax_runner(problem, first_order_tx(method, lr, problem, steps, adam_lr))
     if method == "sfadamw":
         runner.eval_params = lambda opt_state, params: optax.contrib.schedule_free_eval_params(
             opt_state, params
@@ -348,41 +379,40 @@ def optimizer_runner(problem: Problem, opt: kfacx.Optimizer) -> Runner:
     return Runner(init, step, burnin=burnin)
 
 
-def kfac_direction(method: str, est, func_args, args):
-    """The preconditioned direction of an optax K-FAC method (before decay and rate)."""
-    if method == "kfac_graft":
-        kfac = kfacx.scale_by_kfac(
-            est,
-            func_args,
-            damping=args.recipe_damping,
-            inverse_update_period=args.recipe_inverse_period,
-        )
-        return kfacx.graft(optax.scale_by_adam(), optax.chain(optax.trace(0.9), kfac))
-    if method == "kfac_eigen_adam":
-        soap = kfacx.scale_by_kfac_eigen_adam(
-            est, func_args, inverse_update_period=args.recipe_inverse_period
-        )
-        return optax.chain(soap, optax.trace(0.9))
+def kfac_tx(method: str, problem: Problem, est, func_args, lr, other_lr, args):
+    """The optax K-FAC method's transformation (kfacx's aliases) at the rate ``lr``, the
+    parameters Muon gives to Adam at ``other_lr`` if given."""
+    common_kwargs = dict(
+        weight_decay=WEIGHT_DECAY, inverse_update_period=args.recipe_inverse_period, mask=decay_mask
+    )
+    if other_lr is not None:
+
+        def other_mask(params):
+            dims = problem.muon_dims(params)
+            return jax.tree.map(lambda d: d is None, dims, is_leaf=_is_dims)
+
+        common_kwargs.update(other_learning_rate=other_lr, other_mask=other_mask)
+    if method == "kfac_adamw":
+        return kfacx.kfac_adamw(est, func_args, lr, damping=args.recipe_damping, **common_kwargs)
+    if method == "kfac_soap":
+        return kfacx.kfac_soap(est, func_args, lr, b2=args.soap_b2, **common_kwargs)
     raise ValueError(method)
 
 
-def kfac_optax_runner(method: str, problem: Problem, lr: float, steps: int, args) -> Runner:
-    """An optax K-FAC method: its direction, AdamW's weight decay and warmup-cosine
-    schedule; the curvature statistics of the leading ``args.recipe_fraction`` of each
-    batch."""
+def kfac_optax_runner(method: str, problem: Problem, lr: float, steps: int, other_lr, args):
+    """An optax K-FAC method with AdamW's weight decay and warmup-cosine schedule; the
+    curvature statistics of the leading ``args.recipe_fraction`` of each batch."""
     est = kfacx.BlockDiagonalCurvature(problem.loss_fn)
     func_args = (problem.params, problem.func_state, problem.batch(0))
-    tx = optax.chain(
-        kfac_direction(method, est, func_args, args),
-        optax.add_decayed_weights(WEIGHT_DECAY, mask=decay_mask),
-        optax.scale_by_learning_rate(warmup_cosine(lr, steps)),
-    )
+    other = None if other_lr is None else warmup_cosine(other_lr, steps)
+    tx = kfac_tx(method, problem, est, func_args, warmup_cosine(lr, steps), other, args)
 
     def step(params, opt_state, func_state, batch, rng):
         (loss, new_state), grads = jax.value_and_grad(problem.loss_fn, has_aux=True)(
             params, func_state, batch
         )
-        m = max(1, math.ceil(args.recipe_fraction * jax.tree.leaves(batch)[0].shape[0]))
+        fraction = args.recipe_fraction or RECIPE_FRACTION[problem.name.split("_")[0]]
+        m = max(1, math.ceil(fraction * jax.tree.leaves(batch)[0].shape[0]))
         sub_batch = jax.tree.map(lambda a: a[:m], batch)
         stats = est.compute_curvature_stats(rng, (params, func_state, sub_batch), has_aux=True)
         updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
@@ -461,18 +491,32 @@ def run_problem(problem: Problem, args) -> dict:
             raise ValueError(f"{args.runs_from} has {earlier['args']['steps']} steps, not {steps}")
         previous = earlier["problems"].get(problem.name, {}).get("runs", {})
         runs.update(previous)
+    # The K-FAC methods' own budget (their schedule's length): at most the first-order one.
+    own_steps = min(steps, args.kfac_steps or steps)
     for method in args.methods:
         grid = args.grids.get(method) or GRIDS[problem.name.split("_")[0]].get(method, (None,))
         candidates = {}
         for lr in grid:
             if method in FIRST_ORDER:
-                runner = first_order_runner(method, lr, problem, steps)
+                # Muon's Adam part (embeddings, output layer, norms, biases) at AdamW's
+                # best rate when AdamW has run, else at 0.1x Muon's.
+                adam_lr = args.muon_adam_lr or (runs["adamw"]["lr"] if "adamw" in runs else None)
+                runner = first_order_runner(method, lr, problem, steps, adam_lr)
             elif method == "kfac_readme":
                 runner = kfac_readme_runner(problem)
             else:
-                runner = kfac_optax_runner(method, problem, lr, steps, args)
-            run = train(problem, runner, steps)
+                # As Muon's Adam part: the parameters outside the hidden matrices at AdamW's
+                # best rate (kfac_soap's summed momentum multiplies its rates by ~10).
+                other_lr = None
+                if "adamw" in runs and not args.uniform_rates:
+                    other_lr = runs["adamw"]["lr"] * (0.1 if method == "kfac_soap" else 1.0)
+                runner = kfac_optax_runner(method, problem, lr, own_steps, other_lr, args)
+            run = train(problem, runner, steps if method in FIRST_ORDER else own_steps)
             run["lr"] = lr
+            if method == "muon":
+                run["adam_lr"] = adam_lr or 0.1 * lr
+            if method in ("kfac_adamw", "kfac_soap"):
+                run["other_lr"] = other_lr
             final = float(smoothed(np.asarray(run["losses"]), window)[-1])
             run["final_smoothed"] = final
             candidates[lr] = run
@@ -545,6 +589,46 @@ def print_table(table):
         )
 
 
+def plot(results: dict, path: str) -> None:
+    """One row per problem: the smoothed training loss of each method's best run against
+    steps and against seconds, and the target."""
+    curves = []
+    for name, problem in results["problems"].items():
+        window = max(1, results["args"]["steps"] // 10)
+        row = []
+        for method, run in problem["runs"].items():
+            curve = common.Curve(f"{method} ({run['lr']})" if run["lr"] else method)
+            curve.steps = list(range(1, len(run["losses"]) + 1))
+            curve.seconds = run["seconds"]
+            curve.losses = smoothed(np.asarray(run["losses"]), window).tolist()
+            row.append(curve)
+        curves.append((name, problem["target"], row))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(
+        len(curves), 2, figsize=(12, 4 * len(curves)), constrained_layout=True, squeeze=False
+    )
+    for (name, target, row), (by_step, by_time) in zip(curves, axes, strict=True):
+        for curve in row:
+            dashed = "--" if curve.name.startswith("kfac") else "-"
+            by_step.plot(curve.steps, curve.losses, dashed, label=curve.name)
+            by_time.plot(curve.seconds, curve.losses, dashed, label=curve.name)
+        for ax, unit in ((by_step, "step"), (by_time, "seconds (compilation excluded)")):
+            if target is not None:
+                ax.axhline(target, color="k", lw=0.8, ls=":")
+            ax.set_xlabel(unit)
+            ax.set_ylabel("training loss (trailing mean)")
+            ax.set_yscale("log")
+            ax.grid(True, alpha=0.3)
+            ax.set_title(name)
+        by_step.legend(fontsize=8)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--problems", default="lm,resnet")
@@ -557,9 +641,39 @@ def main(argv=None) -> dict:
     parser.add_argument("--lm-batch", type=int, default=32)
     parser.add_argument("--resnet-width", default="16", help="comma-separated widths")
     parser.add_argument("--resnet-batch", type=int, default=128)
-    parser.add_argument("--recipe-fraction", type=float, default=0.25)
-    parser.add_argument("--recipe-damping", type=float, default=1e-3)
-    parser.add_argument("--recipe-inverse-period", type=int, default=10)
+    parser.add_argument(
+        "--resnet-shift",
+        type=int,
+        default=2,
+        help="augmentation: random shifts of up to this many pixels (0: none)",
+    )
+    parser.add_argument(
+        "--kfac-steps",
+        type=int,
+        default=None,
+        help="the optax K-FAC methods' step budget and schedule length (default: --steps); "
+        "their target is still the first-order methods' loss after --steps",
+    )
+    parser.add_argument(
+        "--muon-adam-lr",
+        type=float,
+        default=None,
+        help="peak rate of Muon's Adam part (default: AdamW's best rate if AdamW ran)",
+    )
+    parser.add_argument(
+        "--recipe-fraction",
+        type=float,
+        default=None,
+        help="the batch fraction of the optax K-FAC methods' curvature statistics "
+        "(default: 1/4 of the LM's 32 sequences, 1/8 of the ResNet's 128 images)",
+    )
+    parser.add_argument("--soap-b2", type=float, default=0.95)
+    parser.add_argument(
+        "--uniform-rates",
+        action="store_true",
+        help="the optax K-FAC methods use one rate for all parameters (default: as Muon, the "
+        "embeddings, output layer, norms, biases and stem at AdamW's best rate)",
+    )
     parser.add_argument("--grid", action="append", default=[], help="METHOD=lr1,lr2,...")
     parser.add_argument("--out", default=None)
     parser.add_argument(
@@ -569,7 +683,15 @@ def main(argv=None) -> dict:
         "reused (the same machine, problem and steps), e.g. to try K-FAC settings against "
         "first-order runs made once",
     )
+    parser.add_argument("--plot", default=None, help="write the curves to this PNG")
+    parser.add_argument(
+        "--plot-from", default=None, help="only plot this earlier JSON output (to --plot)"
+    )
     args = parser.parse_args(argv)
+    if args.plot_from:
+        results = json.loads(pathlib.Path(args.plot_from).read_text())
+        plot(results, args.plot or "modern.png")
+        return results
     args.methods = args.methods.split(",")
     args.grids = {}
     for g in args.grid:
@@ -593,6 +715,8 @@ def main(argv=None) -> dict:
             results["problems"][problem.name] = run_problem(problem, args)
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(results, indent=1))
+    if args.plot:
+        plot(results, args.plot)
     return results
 
 

@@ -6,6 +6,7 @@ register the loss on the model output, and precondition gradients with
 """
 
 from kfacx import blocks, graph_matcher, linalg, losses, parallel, tags, tracer
+from kfacx._aliases import kfac_adamw, kfac_soap
 from kfacx._compile import fast_compile_options
 from kfacx._eigen_adam import ScaleByKfacEigenAdamState, scale_by_kfac_eigen_adam
 from kfacx._graft import GraftState, graft
@@ -99,6 +100,8 @@ __all__ = [
     "estimator_state",
     "flag_non_finite_stats",
     "GraftState",
+    "kfac_adamw",
+    "kfac_soap",
     "graft",
     "precondition",
     "scale_by_kfac",

@@ -64,6 +64,17 @@ def _flattened_inputs(params, batch):
     return _cross_entropy(logits, labels)
 
 
+def _gram(est, args, vectors):
+    """The ``[k, k]`` Gram matrix of the exact curvature in ``vectors`` (one program)."""
+
+    @jax.jit
+    def gram(args, vectors):
+        losses, jvp = est.linearized_losses(args)
+        return gram_from_upper(ggn_gram_upper(losses, jvp, vectors, None), len(vectors))
+
+    return gram(args, vectors)
+
+
 LAYOUTS = {
     "per_sequence": _per_sequence,
     "flattened_logits": _flattened_logits,
@@ -105,8 +116,7 @@ def test_gram_is_the_curvature_of_the_mean_over_all_positions(x64, layout):
     est.init(jax.random.key(0), args)
     rng = np.random.default_rng(1)
     vectors = [_wide(jax.tree.map(lambda p: normal(rng, *p.shape), params)) for _ in range(2)]
-    losses, jvp = est.linearized_losses(args)
-    gram = np.asarray(gram_from_upper(ggn_gram_upper(losses, jvp, vectors, None), 2))
+    gram = np.asarray(_gram(est, args, vectors))
     ggn = _dense_mean_ggn(params, x, labels)
     v = np.stack([np.asarray(ravel_pytree(u)[0]) for u in vectors])
     np.testing.assert_allclose(gram, v @ ggn @ v.T, rtol=1e-10)
@@ -171,8 +181,13 @@ def test_losses_with_different_row_counts_each_average_over_their_own(x64):
     batch = (x_a, x_b, label_a, labels_b)
     est = kfacx.BlockDiagonalCurvature(loss_fn, default_estimation_mode="ggn_exact")
     key = jax.random.key(0)
-    state = est.init(key, (params, batch))
-    state = est.update_curvature_matrix_estimate(state, 0.0, 1.0, None, key, (params, batch))
+
+    @jax.jit  # one program: much faster than running the update op by op
+    def estimate(params, batch):
+        state = est.init(key, (params, batch))
+        return est.update_curvature_matrix_estimate(state, 0.0, 1.0, None, key, (params, batch))
+
+    state = estimate(params, batch)
 
     z_a, z_b = (np.asarray(z, np.float64) for z in heads(params, x_a, x_b))
     for block, x, z in zip(state.blocks, (x_a, x_b), (z_a, z_b), strict=True):
@@ -193,8 +208,7 @@ def test_losses_with_different_row_counts_each_average_over_their_own(x64):
         for jac, z in ((jac_a, z_a), (jac_b, z_b))
     )
     vectors = [_wide(jax.tree.map(lambda p: normal(rng, *p.shape), params)) for _ in range(2)]
-    losses, jvp = est.linearized_losses((params, batch))
-    gram = np.asarray(gram_from_upper(ggn_gram_upper(losses, jvp, vectors, None), 2))
+    gram = np.asarray(_gram(est, (params, batch), vectors))
     v = np.stack([np.asarray(ravel_pytree(u)[0]) for u in vectors])
     np.testing.assert_allclose(gram, v @ ggn @ v.T, rtol=1e-10)
 
