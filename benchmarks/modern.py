@@ -490,7 +490,7 @@ def run_problem(problem: Problem, args) -> dict:
         if earlier["args"]["steps"] != steps:
             raise ValueError(f"{args.runs_from} has {earlier['args']['steps']} steps, not {steps}")
         previous = earlier["problems"].get(problem.name, {}).get("runs", {})
-        runs.update(previous)
+        runs.update({m: r for m, r in previous.items() if m in FIRST_ORDER + KFAC})
     # The K-FAC methods' own budget (their schedule's length): at most the first-order one.
     own_steps = min(steps, args.kfac_steps or steps)
     for method in args.methods:
@@ -667,6 +667,8 @@ def main(argv=None) -> dict:
         help="the batch fraction of the optax K-FAC methods' curvature statistics "
         "(default: 1/4 of the LM's 32 sequences, 1/8 of the ResNet's 128 images)",
     )
+    parser.add_argument("--recipe-damping", type=float, default=1e-3)
+    parser.add_argument("--recipe-inverse-period", type=int, default=10)
     parser.add_argument("--soap-b2", type=float, default=0.95)
     parser.add_argument(
         "--uniform-rates",
