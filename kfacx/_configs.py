@@ -41,12 +41,13 @@ class CurvatureConfig:
       curvature_batch_fraction: estimate the curvature — the factor statistics
         and the exact curvature products of the quadratic model — on this
         leading fraction of each (micro-)batch only; the loss and the gradient
-        always use all of it. With 1 the loss, gradient and statistics share one
-        forward pass. The default (None) is 1/8 of the batch, as in Martens &
-        Grosse (2015), but at least `AUTO_CURVATURE_EXAMPLES` (128) examples,
-        i.e. all of a batch of up to 128: on the MNIST autoencoder at batch
-        1000 that halves the step time and reaches a given loss in about as
-        many steps (docs/benchmarks.md).
+        always use all of it (its examples by ``batch_size_extractor``; see
+        `BatchConfig` for batches whose arrays do not all run over them). With 1
+        the loss, gradient and statistics share one forward pass. The default
+        (None) is 1/8 of the batch, as in Martens & Grosse (2015), but at least
+        `AUTO_CURVATURE_EXAMPLES` (128) examples, i.e. all of a batch of up to
+        128: on the MNIST autoencoder at batch 1000 that halves the step time
+        and reaches a given loss in about as many steps (docs/benchmarks.md).
       layer_tag_to_block_ctor: block classes per tag name (see
         `kfacx.BlockDiagonalCurvature`).
       auto_register_kwargs: arguments of `kfacx.auto_register_tags`.
@@ -302,16 +303,35 @@ class BatchConfig:
         for padding examples (binary); they then contribute nothing to the gradient weighting, the
         curvature or the quadratic model. The loss function must mask them too
         (``register_*_loss(..., mask=m)`` and a loss normalised by ``m.sum()``).
-      batch_size_extractor: ``batch -> int``, the examples per batch (for
-        ``data_seen``); default: the leading dimension of the first leaf.
+      batch_size_extractor: ``batch -> int``, the examples per batch, read from
+        shapes (e.g. ``lambda b: b["targets"].shape[0]`` for a graph batch whose
+        nodes outnumber its graphs): ``data_seen``, the weights of micro-batches,
+        the default curvature subset's size; default: the leading dimension of
+        the first leaf. Cutting a batch (``curvature_batch_fraction`` below 1,
+        ``num_microbatches``) needs every array's leading dimension to be this
+        size, else it is a `ValueError` naming the array.
+      curvature_subset_extractor: ``(batch, m) -> batch`` of ``m`` of its examples
+        (its first ``m`` graphs, with their nodes), the subset the curvature is
+        estimated on when ``curvature_batch_fraction`` (or its default) is below
+        1; default: the first ``m`` rows of every array. It must return ``m``
+        examples by ``batch_size_extractor``.
     """
 
     num_microbatches: int = 1
     example_mask_extractor: Callable[[Any], jax.Array] | None = None
     batch_size_extractor: Callable[[Any], int] | None = None
+    curvature_subset_extractor: Callable[[Any, int], Any] | None = None
 
     def __post_init__(self):
         check_int(self.num_microbatches, "num_microbatches", minimum=1)
+        for name in (
+            "example_mask_extractor",
+            "batch_size_extractor",
+            "curvature_subset_extractor",
+        ):
+            value = getattr(self, name)
+            if value is not None and not callable(value):
+                raise TypeError(f"{name} must be None or a function of the batch, got {value!r}.")
 
 
 #: The most damping values `DampingConfig.use_initial_damping_calibration` tries.

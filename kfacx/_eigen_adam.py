@@ -98,11 +98,15 @@ def to_eigenbasis(
 
 
 def from_eigenbasis(
-    estimator: BlockDiagonalCurvature, estimator_state: EstimatorState, coordinates: Sequence
+    estimator: BlockDiagonalCurvature,
+    estimator_state: EstimatorState,
+    coordinates: Sequence,
+    like: Any = None,
 ) -> Any:
-    """The inverse of `to_eigenbasis`: a parameter-shaped pytree (in the blocks' dtypes)."""
+    """The inverse of `to_eigenbasis`: a parameter-shaped pytree (in the blocks' dtypes;
+    with ``like``'s structure if given, see `kfacx.BlockDiagonalCurvature.blocks_to_params`)."""
     pairs = zip(estimator.blocks, estimator_state.blocks, coordinates, strict=True)
-    return estimator.blocks_to_params(tuple(b.from_eigenbasis(s, c) for b, s, c in pairs))
+    return estimator.blocks_to_params(tuple(b.from_eigenbasis(s, c) for b, s, c in pairs), like)
 
 
 def eigenbasis_change(
@@ -285,7 +289,7 @@ def scale_by_kfac_eigen_adam(
         count = optax.safe_increment(state.count)
         nu_hat = optax.tree.bias_correction(nu, b2, count)
         scaled = jax.tree_util.tree_map(lambda c, n: c / (jnp.sqrt(n) + eps), coordinates, nu_hat)
-        out = from_eigenbasis(estimator, est, scaled)
+        out = from_eigenbasis(estimator, est, scaled, like=updates)
         out = jax.tree_util.tree_map(lambda o, u: cast_to(o, u.dtype), out, updates)
         return out, ScaleByKfacEigenAdamState(count, est, nu)
 

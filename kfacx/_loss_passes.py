@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from kfacx._batch_layout import leading_subset, num_examples, split_microbatches
 from kfacx._configs import AUTO_CURVATURE_EXAMPLES, BatchConfig
 from kfacx._statistics import ggn_gram_upper, gram_from_upper
 from kfacx._tree import tree_scale
@@ -102,23 +103,18 @@ class BatchPasses:
         self.config = config
         self.curvature_batch_fraction = curvature_batch_fraction
 
-    def batch_size(self, batch) -> jax.Array:
-        """The examples in ``batch`` (``batch_size_extractor``, or the leading size).
-
-        Raises:
-          ValueError: for a batch without arrays and no ``batch_size_extractor``.
-        """
-        if self.config.batch_size_extractor is not None:
-            return jnp.asarray(self.config.batch_size_extractor(batch), jnp.int32)
-        leaves = jax.tree.leaves(batch)
-        if not leaves:
-            raise ValueError("The batch has no arrays; pass batch_size_extractor.")
-        return jnp.asarray(jnp.shape(leaves[0])[0], jnp.int32)
+    def batch_size(self, batch) -> int:
+        """The examples in ``batch`` (``batch_size_extractor``, or the leading size;
+        see `kfacx._batch_layout.num_examples`)."""
+        return num_examples(batch, self.config.batch_size_extractor)
 
     def examples_seen(self, batch, axis) -> jax.Array:
         """Real examples in ``batch`` (all devices): the mask's sum if there is one."""
         mask = self.mask(batch)
-        n = self.batch_size(batch) if mask is None else jnp.sum(mask).round().astype(jnp.int32)
+        if mask is None:
+            n = jnp.asarray(self.batch_size(batch), jnp.int32)
+        else:
+            n = jnp.sum(mask).round().astype(jnp.int32)
         return n if axis is None else jax.lax.psum(n, axis)
 
     def mask(self, batch):
@@ -136,19 +132,11 @@ class BatchPasses:
         """``batch`` with its leading axis split into ``[num_microbatches, n / k]``.
 
         Raises:
-          ValueError: if ``num_microbatches`` does not divide the batch.
+          ValueError: if ``num_microbatches`` does not divide the batch, or an array's
+            leading size is not the batch size (see `kfacx._batch_layout`).
         """
         k = self.config.num_microbatches
-
-        def split(x):
-            n = jnp.shape(x)[0]
-            if n % k:
-                raise ValueError(
-                    f"num_microbatches={k} does not divide the batch's leading dimension {n}."
-                )
-            return jnp.reshape(x, (k, n // k, *jnp.shape(x)[1:]))
-
-        return jax.tree.map(split, batch)
+        return split_microbatches(batch, k, self.config.batch_size_extractor)
 
     def scan_batch(self, batch, func_state, init, body):
         """Folds ``body(carry, chunk, func_state, index) -> (carry, func_state)`` over
@@ -171,8 +159,7 @@ class BatchPasses:
         mask = self.mask(chunk)
         if mask is not None:
             return mask, jnp.sum(mask)
-        n = jnp.shape(jax.tree.leaves(chunk)[0])[0]
-        return None, jnp.asarray(n, jnp.float32)
+        return None, jnp.asarray(self.batch_size(chunk), jnp.float32)
 
     def value_grads_stats(
         self, params, func_state, rng, batch, with_stats: bool, estimator_state=None
@@ -235,15 +222,14 @@ class BatchPasses:
         fraction = self.curvature_batch_fraction
         if fraction is not None:
             return float(fraction)
-        n = _leading_size(batch)
+        n = self.batch_size(batch)
         return max(math.ceil(n / 8), min(n, AUTO_CURVATURE_EXAMPLES)) / n
 
     def subset_stats(
         self, params, func_state, model_rng, curv_rng, chunk, fraction, estimator_state=None
     ):
         """Curvature statistics of the leading ``fraction`` of ``chunk``."""
-        m = _subset_size(chunk, fraction)
-        sub = jax.tree.map(lambda x: x[:m], chunk)
+        sub = self.subset(chunk, fraction)
         args = self.call.args(params, func_state, model_rng, sub)
         return self.estimator.compute_curvature_stats(
             curv_rng,
@@ -252,6 +238,13 @@ class BatchPasses:
             has_aux=self.call.has_aux_output,
             estimator_state=estimator_state,
         )
+
+    def subset(self, chunk, fraction: float):
+        """The leading ``fraction`` of ``chunk``'s examples (``curvature_subset_extractor``,
+        or the leading rows; see `kfacx._batch_layout.leading_subset`)."""
+        cfg = self.config
+        m = _subset_size(chunk, fraction, cfg.batch_size_extractor)
+        return leading_subset(chunk, m, cfg.batch_size_extractor, cfg.curvature_subset_extractor)
 
     def _aux_shape(self, params, func_state, rng, batch):
         """Zeros shaped like ``func``'s aux output on one micro-batch (scan carry)."""
@@ -289,8 +282,7 @@ class BatchPasses:
         def body(acc, chunk, state, index):
             gram_sum, total = acc
             if fraction < 1.0:
-                m = _subset_size(chunk, fraction)
-                chunk = jax.tree.map(lambda x: x[:m], chunk)
+                chunk = self.subset(chunk, fraction)
             model_rng, _ = jax.random.split(jax.random.fold_in(rng, index))
             args = self.call.args(params, state, model_rng, chunk)
             losses, jvp = est.linearized_losses(args)
@@ -321,10 +313,6 @@ def _first(value, has_aux):
     return (value[0] if has_aux else value), value
 
 
-def _leading_size(batch) -> int:
-    return int(jnp.shape(jax.tree.leaves(batch)[0])[0])
-
-
-def _subset_size(chunk, fraction: float) -> int:
+def _subset_size(chunk, fraction: float, size_extractor=None) -> int:
     """The examples in the leading ``fraction`` of ``chunk`` (at least one)."""
-    return max(1, math.ceil(fraction * _leading_size(chunk)))
+    return max(1, math.ceil(fraction * num_examples(chunk, size_extractor)))

@@ -26,6 +26,7 @@ import jax
 import optax
 
 from kfacx import _identity_weights, _refresh, _statistics
+from kfacx._paths import unbox
 from kfacx.estimator import BlockDiagonalCurvature, CurvatureStats, EstimatorState
 
 __all__ = ["BlockSubset", "block_labels", "has_masked_nodes"]
@@ -57,7 +58,11 @@ def _present_indices(masked_tree: Any, index_tree: Any) -> list[int]:
         return i
 
     try:
-        mapped = jax.tree_util.tree_map(index, masked_tree, index_tree, is_leaf=_is_masked)
+        # Boxes aside (nnx.Optimizer's init passes nnx.Param-boxed parameters, its update
+        # plain arrays), as `kfacx.BlockDiagonalCurvature.params_to_blocks` takes them.
+        mapped = jax.tree_util.tree_map(
+            index, unbox(masked_tree, _is_masked), unbox(index_tree), is_leaf=_is_masked
+        )
     except ValueError as e:
         raise ValueError(
             "scale_by_kfac: the masked gradient's structure does not fit the parameters "
@@ -177,12 +182,10 @@ class BlockSubset:
             vec = tuple(by_index[i] for i in ids)
             out = block.multiply_matpower(block_state, vec, weight, power, exact_power, use_cached)
             by_index.update(zip(ids, out, strict=True))
-        return jax.tree_util.tree_map(
-            lambda m, i: m if _is_masked(m) else by_index[i],
-            vector,
-            self.index_tree,
-            is_leaf=_is_masked,
-        )
+        flat, treedef = jax.tree_util.tree_flatten(vector, is_leaf=_is_masked)
+        present = iter(_present_indices(vector, self.index_tree))
+        out = [m if _is_masked(m) else by_index[next(present)] for m in flat]
+        return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def _raise_partial_block(block: Any, ids: tuple[int, ...], present: set[int]) -> None:

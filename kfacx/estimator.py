@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from kfacx import _checks, _identity_weights, _refresh, _statistics, graph_matcher, tracer
+from kfacx import _checks, _identity_weights, _paths, _refresh, _statistics, graph_matcher, tracer
 from kfacx import blocks as blocks_lib
 from kfacx._statistics import ESTIMATION_MODES, CurvatureStats, weighted_mean_stats
 from kfacx.losses import LossFunction
@@ -69,7 +69,8 @@ class BlockDiagonalCurvature:
         the block's curvature (`kfacx.blocks.block_norm`), so that the damping
         follows each block's scale.
       curvature_block: the blocks of the dense and convolution layers, a family of
-        `kfacx.blocks.CURVATURE_BLOCKS`: ``"kfac"`` (default), ``"kfac_reduce"`` or ``"tnt"``.
+        `kfacx.blocks.CURVATURE_BLOCKS`: ``"kfac"`` (default), ``"kfac_reduce"``,
+        ``"tnt"`` or ``"ekfac"`` (which serves the embedding layers too).
 
     Raises:
       ValueError: on an unknown estimation mode, norm or block family, or a bad
@@ -220,25 +221,24 @@ class BlockDiagonalCurvature:
         """Splits a parameter pytree into one tuple of arrays per block.
 
         Raises:
-          ValueError: if the pytree does not have the parameters' structure.
+          ValueError: if the pytree does not have the parameters' structure (with or
+            without boxes around its arrays, e.g. ``nnx.Param``).
         """
         traced = self._require_set_up()
         leaves, tree = jax.tree_util.tree_flatten(params)
-        if tree != traced.params_tree:
-            raise ValueError(
-                f"The vector's pytree structure {tree} does not match the parameters' "
-                f"{traced.params_tree}."
-            )
+        _paths.check_params_structure(tree, traced.params_tree)
         return tuple(tuple(leaves[i] for i in ids) for ids in traced.layer_param_leaves)
 
-    def blocks_to_params(self, vectors: Sequence[Sequence[jax.Array]]) -> Any:
-        """Inverse of `params_to_blocks`."""
+    def blocks_to_params(self, vectors: Sequence[Sequence[jax.Array]], like: Any = None) -> Any:
+        """Inverse of `params_to_blocks`: the parameters' structure, or ``like``'s (a
+        vector it accepted: with or without ``nnx.Param`` boxes)."""
         traced = self._require_set_up()
         leaves: list[Any] = [None] * traced.num_param_leaves
         for ids, vec in zip(traced.layer_param_leaves, vectors, strict=True):
             for i, v in zip(ids, vec, strict=True):
                 leaves[i] = v
-        return jax.tree_util.tree_unflatten(traced.params_tree, leaves)
+        tree = traced.params_tree if like is None else jax.tree_util.tree_structure(like)
+        return jax.tree_util.tree_unflatten(tree, leaves)
 
     # ---------------------------------------------------------------- state
 
@@ -475,7 +475,7 @@ class BlockDiagonalCurvature:
             b.multiply_matpower(s, v, w, power, exact_power, use_cached)
             for b, s, v, w in zip(self._blocks, state.blocks, vectors, weights, strict=True)
         )
-        return self.blocks_to_params(out)
+        return self.blocks_to_params(out, like=vector)
 
     def multiply(self, state: EstimatorState, vector: Any, identity_weight: Any = 0.0) -> Any:
         """``(C + identity_weight I) v`` from the current factors (no cache needed)."""
