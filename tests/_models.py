@@ -25,7 +25,8 @@ LOSS_KINDS = ("softmax", "sigmoid", "squared")
 
 
 def normal(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> jax.Array:
-    return jnp.asarray(scale * rng.standard_normal(shape), jnp.float32)
+    # Cast on the host: jnp.asarray's cast would compile a conversion per shape.
+    return jnp.asarray(np.asarray(scale * rng.standard_normal(shape), np.float32), jnp.float32)
 
 
 def init_mlp(sizes: Sequence[int], seed: int = 0) -> list[tuple[jax.Array, jax.Array]]:
@@ -105,9 +106,11 @@ def per_example_loss_sum(kind: str, z: jax.Array, t: jax.Array, weight: float) -
 def make_targets(kind: str, rng: np.random.Generator, shape: Sequence[int]) -> jax.Array:
     """Targets for logits of shape ``shape``."""
     if kind == "softmax":
-        return jnp.asarray(rng.integers(0, shape[-1], size=shape[:-1]), jnp.int32)
+        return jnp.asarray(
+            np.asarray(rng.integers(0, shape[-1], size=shape[:-1]), np.int32), jnp.int32
+        )
     if kind == "sigmoid":
-        return jnp.asarray(rng.integers(0, 2, size=shape), jnp.float32)
+        return jnp.asarray(np.asarray(rng.integers(0, 2, size=shape), np.float32), jnp.float32)
     return normal(rng, *shape)
 
 

@@ -381,7 +381,8 @@ def _refreshed(block, seed: int):
         )
         for f, s in zip(state.factors, block.factor_shapes(), strict=True)
     )
-    return block.update_cache(state._replace(factors=factors), 1.0)
+    # one compilation instead of one per operation run eagerly
+    return jax.jit(block.update_cache)(state._replace(factors=factors), 1.0)
 
 
 def _vector(block, seed: int = 7):

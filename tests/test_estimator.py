@@ -580,7 +580,7 @@ def test_pmap_statistics_equal_full_batch_statistics():
     single = kfacx.BlockDiagonalCurvature(loss_fn, default_estimation_mode="ggn_exact")
     _, want = estimate(single, params, (x, t))
     for d in range(num_devices):
-        state_d = jax.tree_util.tree_map(lambda leaf, d=d: leaf[d], states)
+        state_d = jax.tree_util.tree_map(lambda leaf, d=d: np.asarray(leaf)[d], states)
         assert_close(est.to_dense_matrix(state_d), want)
 
 

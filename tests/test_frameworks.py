@@ -37,12 +37,15 @@ class _FlaxCNN(nn.Module):
 def _flax_problem(module, x_shape, classes):
     x = np.random.default_rng(0).standard_normal(x_shape).astype(np.float32)
     labels = np.arange(x_shape[0]) % classes
-    params = module.init(jax.random.PRNGKey(0), x)
+    # one compilation instead of one per operation run eagerly
+    params = jax.jit(module.init)(jax.random.PRNGKey(0), x)
     return (lambda p, b: _xent(module.apply(p, b[0]), b[1])), params, (x, labels)
 
 
 def _equinox_mlp():
-    mlp = eqx.nn.MLP(4, 3, 8, 2, activation=jnp.tanh, key=jax.random.PRNGKey(0))
+    # one compilation instead of one per operation run eagerly
+    make = eqx.filter_jit(lambda key: eqx.nn.MLP(4, 3, 8, 2, activation=jnp.tanh, key=key))
+    mlp = make(jax.random.PRNGKey(0))
     return eqx.partition(mlp, eqx.is_array)
 
 
@@ -61,10 +64,20 @@ def _check_fully_matched(loss, params, batch, tags):
     tagged, report = kfacx.auto_register_tags(loss, (params, batch), on_unmatched="error")
     assert report.unmatched == ()
     assert {e.tag for e in report.entries} == tags, str(report)
-    np.testing.assert_allclose(tagged(params, batch), loss(params, batch), rtol=1e-6)
-    g_tagged, g = jax.grad(tagged)(params, batch), jax.grad(loss)(params, batch)
-    np.testing.assert_allclose(ravel_pytree(g_tagged)[0], ravel_pytree(g)[0], atol=1e-6)
+    (value_tagged, g_tagged), (value, g) = (
+        _value_and_flat_grad(f)(params, batch) for f in (tagged, loss)
+    )
+    np.testing.assert_allclose(value_tagged, value, rtol=1e-6)
+    np.testing.assert_allclose(g_tagged, g, atol=1e-6)
     return report
+
+
+def _value_and_flat_grad(f):
+    @jax.jit  # one compilation instead of one per operation run eagerly
+    def value_and_flat_grad(params, batch):
+        return f(params, batch), ravel_pytree(jax.grad(f)(params, batch))[0]
+
+    return value_and_flat_grad
 
 
 def test_flax_mlp_with_layernorm_and_dense_general_is_fully_matched():
@@ -87,18 +100,27 @@ def test_equinox_mlp_is_fully_matched_and_exact():
     assert {e.source for e in report.entries} == {"weight_first_dense_with_bias"}
     est = kfacx.BlockDiagonalCurvature(loss)
     state = est.init(jax.random.PRNGKey(0), (params, batch))
-    state = est.update_curvature_matrix_estimate(
-        state, 0.0, 1.0, None, jax.random.PRNGKey(1), (params, batch), "ggn_exact"
-    )
-    got = np.asarray(est.to_dense_matrix(state))
+
+    @jax.jit  # one compilation instead of one per operation run eagerly
+    def curvature(state, args):
+        state = est.update_curvature_matrix_estimate(
+            state, 0.0, 1.0, None, jax.random.PRNGKey(1), args, "ggn_exact"
+        )
+        return est.to_dense_matrix(state)
+
+    got = np.asarray(curvature(state, (params, batch)))
     flat, unravel = ravel_pytree(params)
     _, static = _equinox_mlp()
 
     def model_logits(f):
         return jax.vmap(eqx.combine(unravel(f), static))(batch[0])
 
-    jac = np.asarray(jax.jacfwd(lambda f: model_logits(f).reshape(-1))(flat), np.float64)
-    prob = np.asarray(jax.nn.softmax(model_logits(flat).reshape(-1)), np.float64)
+    @jax.jit  # one compilation instead of one per operation run eagerly
+    def jacobian_and_probabilities(flat):
+        jac = jax.jacfwd(lambda f: model_logits(f).reshape(-1))(flat)
+        return jac, jax.nn.softmax(model_logits(flat).reshape(-1))
+
+    jac, prob = (np.asarray(a, np.float64) for a in jacobian_and_probabilities(flat))
     exact = jac.T @ (np.diag(prob) - np.outer(prob, prob)) @ jac
     sizes = [int(np.prod(np.shape(leaf))) for leaf in jax.tree_util.tree_leaves(params)]
     offsets = np.cumsum([0] + sizes)

@@ -82,12 +82,16 @@ def test_kfac_direction_with_adam_norms_in_a_chain():
     est = kfacx.BlockDiagonalCurvature(loss_fn)
     kfac = kfacx.scale_by_kfac(est, (params, (x, labels)), damping=1e-2)
     tx = kfacx.graft(optax.scale_by_adam(), kfac)
-    _, grads, stats = est.value_grads_and_curvature_stats(jax.random.key(0), (params, (x, labels)))
-    out, _ = tx.update(grads, tx.init(params), params, curvature_stats=stats)
 
-    d, _ = kfac.update(grads, kfac.init(params), params, curvature_stats=stats)
-    m, _ = optax.scale_by_adam().update(grads, optax.scale_by_adam().init(params), params)
-    d, m, got = (np.asarray(t["w"], np.float64) for t in (d, m, out))
+    @jax.jit  # one compilation instead of one per operation run eagerly
+    def updates(params, batch):
+        _, grads, stats = est.value_grads_and_curvature_stats(jax.random.key(0), (params, batch))
+        out, _ = tx.update(grads, tx.init(params), params, curvature_stats=stats)
+        d, _ = kfac.update(grads, kfac.init(params), params, curvature_stats=stats)
+        m, _ = optax.scale_by_adam().update(grads, optax.scale_by_adam().init(params), params)
+        return d, m, out
+
+    d, m, got = (np.asarray(t["w"], np.float64) for t in updates(params, (x, labels)))
     np.testing.assert_allclose(np.linalg.norm(got), np.linalg.norm(m), rtol=1e-5)
     np.testing.assert_allclose(got / np.linalg.norm(got), d / np.linalg.norm(d), atol=1e-6)
 

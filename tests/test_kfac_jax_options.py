@@ -238,7 +238,8 @@ def test_scale_by_kfac_precon_power_takes_the_optimizer_steps():
         keep_out = dict(w1=False, b1=False, w2=True, b2=True)
         masked = optax.chain(optax.masked(kfac, keep_out), optax.masked(optax.sgd(lr), keep_out))
         got = _scale_by_kfac_steps(masked, est, params, batch, 1)[0]
-        grads = jax.grad(mlp_loss)(params, batch)
+        # one compilation instead of one per operation run eagerly
+        grads = jax.jit(jax.grad(mlp_loss))(params, batch)
         np.testing.assert_allclose(got["w1"], params["w1"] + grads["w1"], rtol=1e-12)
         np.testing.assert_allclose(flat(got["w2"]), flat(want[0]["w2"]), rtol=1e-9, atol=1e-12)
 
@@ -278,7 +279,8 @@ def test_scale_by_kfac_precon_power_bad_values_and_inject_hyperparams():
     assert "precon_power" not in injected(est, args).init(args[0]).hyperparams
     tx = injected(est, args, precon_power=-0.5)
     grads, state = jax.tree.map(jnp.zeros_like, args[0]), tx.init(args[0])
-    _, _, stats = est.value_grads_and_curvature_stats(jax.random.key(0), args)
+    # one compilation instead of one per operation run eagerly
+    _, _, stats = jax.jit(est.value_grads_and_curvature_stats)(jax.random.key(0), args)
     with pytest.raises(ValueError, match=r"static_args=\('precon_power',\)"):
         jax.jit(lambda s: tx.update(grads, s, curvature_stats=stats))(state)
     static = optax.inject_hyperparams(kfacx.scale_by_kfac, static_args=("precon_power",))
@@ -410,7 +412,8 @@ def test_precon_damping_mult_scales_only_the_preconditioner_damping():
         state, new_params, new_state, stats = one_step(opt, params, batch, damping=damping)
         np.testing.assert_allclose(stats["damping"], damping)
         est = opt.estimator
-        grads = jax.grad(linear_loss)(params, batch)
+        # one compilation instead of one per operation run eagerly
+        grads = jax.jit(jax.grad(linear_loss))(params, batch)
         precon = jax.jit(est.multiply_matpower, static_argnums=3)(
             new_state.estimator_state, grads, mult * damping, -1
         )
@@ -424,7 +427,7 @@ def test_precon_damping_mult_scales_only_the_preconditioner_damping():
             return linear_loss(moved, batch)
 
         # The minimiser of loss(c) + 0.5 * damping * c^2 |p|^2 (the exact model) is -lr.
-        slope = jax.grad(along)(-lr)
+        slope = jax.jit(jax.grad(along))(-lr)  # one compilation, not one per operation
         pp = float(flat(precon) @ flat(precon))
         np.testing.assert_allclose(slope, damping * pp * lr, rtol=1e-6)
         assert not np.isclose(float(slope), mult * damping * pp * lr, rtol=1e-3)

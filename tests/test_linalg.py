@@ -25,7 +25,8 @@ def _matpower_ref(m, power, damping):
 
 
 def _f32(x):
-    return jnp.asarray(x, jnp.float32)
+    # Cast on the host: jnp.asarray's cast would compile a conversion per shape.
+    return jnp.asarray(np.asarray(x, np.float32), jnp.float32)
 
 
 def _close(actual, expected, rtol=1e-5):
@@ -415,16 +416,21 @@ def test_non_finite_input_gives_scaled_identity(bad):
     broken[0, 1] = broken[1, 0] = bad
     stack = _f32(np.stack([good, broken]))
     damping = _f32([0.5, 0.25])
-    inv = linalg.psd_inverse(stack, damping)
+
+    def results(stack, damping):
+        power = linalg.psd_matpower(stack, -0.5, damping)
+        return linalg.psd_inverse(stack, damping), power, linalg.safe_eigh(stack)
+
+    # one compilation instead of one per operation run eagerly
+    inv, power, (vals, vecs) = jax.jit(results)(stack, damping)
     _close(inv[1], 4.0 * np.eye(3), rtol=1e-6)
     _close(inv[0], np.linalg.inv(good + 0.5 * np.eye(3)), rtol=1e-4)
-    _close(linalg.psd_matpower(stack, -0.5, damping)[1], 2.0 * np.eye(3), rtol=1e-6)
-    vals, vecs = linalg.safe_eigh(stack)
+    _close(power[1], 2.0 * np.eye(3), rtol=1e-6)
     np.testing.assert_array_equal(vals[1], 0.0)
     np.testing.assert_array_equal(vecs[1], np.eye(3))
     _close(vals[0], np.linalg.eigvalsh(good), rtol=1e-5)
     with jax.enable_x64(True):  # The float64 retry does not help; still finite.
-        _close(linalg.psd_inverse(stack, damping)[1], 4.0 * np.eye(3), rtol=1e-6)
+        _close(jax.jit(linalg.psd_inverse)(stack, damping)[1], 4.0 * np.eye(3), rtol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
@@ -552,11 +558,20 @@ def test_psd_inverse_padded_equals_psd_inverse_of_each_matrix():
         _f32(np.stack([bad, _psd(rng, 3)])[None]),  # [1, 2, 3, 3]
     ]
     dampings = [_f32([0.5, 0.25]), 1e-3, _f32([[0.1, 0.2]])]
-    out = linalg.crop_padded(linalg.psd_inverse_padded(matrices, dampings, 5), matrices)
-    for m, d, o in zip(matrices, dampings, out, strict=True):
+
+    @jax.jit  # one compilation instead of one per operation run eagerly
+    def inverses(matrices):
+        out = linalg.crop_padded(linalg.psd_inverse_padded(matrices, dampings, 5), matrices)
+        each = [
+            linalg.psd_inverse(m, jnp.broadcast_to(jnp.asarray(d, jnp.float32), m.shape[:-2]))
+            for m, d in zip(matrices, dampings, strict=True)
+        ]
+        return out, each
+
+    out, each = inverses(matrices)
+    for m, o, want in zip(matrices, out, each, strict=True):
         assert o.shape == m.shape and o.dtype == m.dtype
-        d = jnp.broadcast_to(jnp.asarray(d, jnp.float32), m.shape[:-2])
-        _close(o, linalg.psd_inverse(m, d), rtol=1e-5)
+        _close(o, want, rtol=1e-5)
     _close(out[2][0, 0], _matpower_ref(bad64, -1.0, 0.1), rtol=1e-5)
     # One factorisation per group, in a loop: no batched LAPACK call.
     jaxpr = str(jax.make_jaxpr(lambda *m: linalg.psd_inverse_padded(m, dampings, 5))(*matrices))

@@ -99,9 +99,13 @@ def _dense_mean_ggn(params, x, labels) -> np.ndarray:
     """The exact Gauss-Newton matrix of the mean cross-entropy over all positions:
     ``(1 / (B T)) sum_rows J_r^T H_r J_r``, from each row's Jacobian."""
     flat, unravel = ravel_pytree(params)
-    z = np.asarray(_mlp(params, x), np.float64).reshape(-1, C)
-    jac = np.asarray(jax.jacfwd(lambda f: _mlp(unravel(f), x))(flat), np.float64)
-    jac = jac.reshape(-1, C, flat.size)
+
+    @jax.jit  # one compilation instead of one per operation run eagerly
+    def logits_and_jacobian(flat):
+        return _mlp(unravel(flat), x), jax.jacfwd(lambda f: _mlp(unravel(f), x))(flat)
+
+    z, jac = (np.asarray(a, np.float64) for a in logits_and_jacobian(flat))
+    z, jac = z.reshape(-1, C), jac.reshape(-1, C, flat.size)
     rows = [j.T @ output_hessian("softmax", zr, 1.0) @ j for j, zr in zip(jac, z, strict=True)]
     return sum(rows) / len(rows)
 
@@ -189,7 +193,8 @@ def test_losses_with_different_row_counts_each_average_over_their_own(x64):
 
     state = estimate(params, batch)
 
-    z_a, z_b = (np.asarray(z, np.float64) for z in heads(params, x_a, x_b))
+    # one compilation instead of one per operation run eagerly
+    z_a, z_b = (np.asarray(z, np.float64) for z in jax.jit(heads)(params, x_a, x_b))
     for block, x, z in zip(state.blocks, (x_a, x_b), (z_a, z_b), strict=True):
         rows = np.concatenate([np.asarray(x), np.ones((len(x), 1))], axis=1)
         want_a = rows.T @ rows / len(rows)
@@ -200,7 +205,7 @@ def test_losses_with_different_row_counts_each_average_over_their_own(x64):
     flat, unravel = ravel_pytree(params)
     jac_a, jac_b = (
         np.asarray(j, np.float64).reshape(-1, C, flat.size)
-        for j in jax.jacfwd(lambda f: heads(unravel(f), x_a, x_b))(flat)
+        for j in jax.jit(jax.jacfwd(lambda f: heads(unravel(f), x_a, x_b)))(flat)
     )
     ggn = sum(
         sum(j.T @ output_hessian("softmax", zr, 1.0) @ j for j, zr in zip(jac, z, strict=True))

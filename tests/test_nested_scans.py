@@ -131,7 +131,7 @@ def _batch(seed=1):
 def _unstacked(params):
     if "stack" not in params:
         return params
-    layers = [jax.tree.map(lambda a, i=i: a[i], params["stack"]) for i in range(L)]
+    layers = [jax.tree.map(lambda a, i=i: np.asarray(a)[i], params["stack"]) for i in range(L)]
     return dict(params, stack=layers)
 
 
@@ -140,7 +140,9 @@ def _stats(loss, args, **kwargs):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # every parameter matched, no note
         est.init(KEY, args)
-    return est, est.compute_curvature_stats(KEY, args).blocks
+    # one compilation instead of one per operation run eagerly
+    stats = jax.jit(est.compute_curvature_stats)(KEY, args).blocks
+    return est, jax.tree.map(np.asarray, stats)
 
 
 def _close(got, want):
@@ -201,7 +203,8 @@ def test_haiku_rnns_are_detected_under_value_and_grad_and_train(stacked):
     net = hk.without_apply_rng(hk.transform(forward))
     xs, labels = _batch()
     xs = np.asarray(xs, np.float32)
-    params = net.init(KEY, xs)
+    # one compilation instead of one per operation run eagerly
+    params = jax.jit(net.init)(KEY, xs)
 
     def loss(p, batch):
         logits = kfacx.register_softmax_cross_entropy_loss(net.apply(p, batch[0]), batch[1])

@@ -192,9 +192,9 @@ def test_pmap_equals_single_device_and_devices_agree():
     state = multi.init(p, rep(jax.random.key(7)), shard(batch))
     for i in range(4):
         p, state, stats = multi.step(p, state, rep(jax.random.key(100 + i)), shard(batch))
-    for leaf in jax.tree.leaves((p, state)):
+    for leaf in map(np.asarray, jax.tree.leaves((p, state))):
         np.testing.assert_array_equal(leaf[0], leaf[-1])
-    assert_trees_close(p_single, jax.tree.map(lambda a: a[0], p), rtol=1e-4, atol=1e-5)
+    assert_trees_close(p_single, jax.tree.map(lambda a: np.asarray(a)[0], p), rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(stats["loss"][0], h_single[-1]["loss"], rtol=1e-5)
     np.testing.assert_allclose(stats["damping"][0], h_single[-1]["damping"], rtol=1e-5)
     assert int(state.data_seen[0]) == 4 * 32
@@ -221,7 +221,7 @@ def test_pmap_with_different_inverse_and_curvature_periods_keeps_devices_identic
     for i in range(5):
         step_rngs = jax.vmap(jax.random.fold_in, in_axes=(0, None))(rngs, i)
         p, state, _ = opt.step(p, state, step_rngs, sharded)
-    for leaf in jax.tree.leaves((p, state)):
+    for leaf in map(np.asarray, jax.tree.leaves((p, state))):
         np.testing.assert_array_equal(leaf[0], leaf[1])
         np.testing.assert_array_equal(leaf[0], leaf[-1])
 
@@ -273,38 +273,39 @@ def test_adaptive_coefficients_minimise_the_exact_quadratic_and_rho_is_one():
                 jnp.vdot(v, v) for v in jax.tree.leaves(theta)
             )
 
-        delta = state.velocities
-        velocity = prev_state.velocities
         # Recover the preconditioned direction from delta = -lr * p + m * v.
         lr, mom = float(stats["learning_rate"]), float(stats["momentum"])
-        precon = jax.tree.map(lambda d, v: (mom * v - d) / lr, delta, velocity)
+        c = np.array([-lr, mom])
 
-        def along(c):
-            return objective(
-                jax.tree.map(lambda t, u, v: t + c[0] * u + c[1] * v, prev_p, precon, velocity)
+        @jax.jit  # one compilation instead of one per operation run eagerly
+        def model_check(delta, velocity, prev_p, p):
+            precon = jax.tree.map(lambda d, v: (mom * v - d) / lr, delta, velocity)
+
+            def along(c):
+                return objective(
+                    jax.tree.map(lambda t, u, v: t + c[0] * u + c[1] * v, prev_p, precon, velocity)
+                )
+
+            norms = jnp.array(
+                [
+                    [
+                        _tree.tree_dot(precon, precon),
+                        _tree.tree_dot(precon, velocity),
+                    ],
+                    [
+                        _tree.tree_dot(precon, velocity),
+                        _tree.tree_dot(velocity, velocity),
+                    ],
+                ]
             )
+            return jax.grad(along)(jnp.asarray(c)), norms, objective(p) - objective(prev_p)
 
-        c = jnp.array([-lr, mom])
-        grad_c = jax.grad(along)(c)
+        grad_c, norms, change = model_check(state.velocities, prev_state.velocities, prev_p, p)
         # Minimiser of the damped model, so the undamped gradient is damping * (norms @ c).
         damping = float(stats["damping"])
-        norms = jnp.array(
-            [
-                [
-                    _tree.tree_dot(precon, precon),
-                    _tree.tree_dot(precon, velocity),
-                ],
-                [
-                    _tree.tree_dot(precon, velocity),
-                    _tree.tree_dot(velocity, velocity),
-                ],
-            ]
-        )
-        np.testing.assert_allclose(grad_c, -damping * norms @ c, rtol=1e-6, atol=1e-10)
+        np.testing.assert_allclose(grad_c, -damping * np.asarray(norms) @ c, rtol=1e-6, atol=1e-10)
         # And the quadratic-model change is the actual change of the objective.
-        np.testing.assert_allclose(
-            stats["quad_model_change"], objective(p) - objective(prev_p), rtol=1e-6
-        )
+        np.testing.assert_allclose(stats["quad_model_change"], change, rtol=1e-6)
 
 
 def test_damping_follows_the_levenberg_marquardt_rule():
@@ -340,14 +341,21 @@ def test_norm_constraint_bounds_the_step():
     bounded = kfacx.Optimizer(jax.value_and_grad(mlp_loss), norm_constraint=c, **kwargs)
     free_params, _, _ = run(free, params, batch, 1)
     bounded_params, _, _ = run(bounded, params, batch, 1)
-    grads = jax.grad(mlp_loss)(params, batch)
-    delta0 = jax.tree.map(lambda a, b: a - b, free_params, params)
-    delta = jax.tree.map(lambda a, b: a - b, bounded_params, params)
+
+    @jax.jit  # one compilation instead of one per operation run eagerly
+    def steps(free_params, bounded_params):
+        grads = jax.grad(mlp_loss)(params, batch)
+        delta0 = jax.tree.map(lambda a, b: a - b, free_params, params)
+        delta = jax.tree.map(lambda a, b: a - b, bounded_params, params)
+        coeff = jnp.sqrt(_tree.tree_dot(delta, delta) / _tree.tree_dot(delta0, delta0))
+        p_dot_g = -_tree.tree_dot(delta0, grads) / lr
+        return coeff, delta, jax.tree.map(lambda d: coeff * d, delta0), p_dot_g
+
     # The bounded step is the free step scaled by coeff with lr^2 coeff^2 p.g = c.
-    coeff = jnp.sqrt(_tree.tree_dot(delta, delta) / _tree.tree_dot(delta0, delta0))
+    coeff, delta, scaled_delta0, p_dot_g = steps(free_params, bounded_params)
+    coeff, p_dot_g = np.asarray(coeff), np.asarray(p_dot_g)
     assert float(coeff) < 0.5
-    assert_trees_close(delta, jax.tree.map(lambda d: coeff * d, delta0), rtol=1e-4, atol=1e-7)
-    p_dot_g = -_tree.tree_dot(delta0, grads) / lr
+    assert_trees_close(delta, scaled_delta0, rtol=1e-4, atol=1e-7)
     np.testing.assert_allclose(lr**2 * coeff**2 * p_dot_g, c, rtol=1e-4)
     # A loose constraint changes nothing.
     loose = kfacx.Optimizer(jax.value_and_grad(mlp_loss), norm_constraint=1e3, **kwargs)
@@ -574,7 +582,8 @@ def test_haiku_batchnorm_state_aux_and_rng():
         return loss, (new_state, dict(accuracy=jnp.mean(jnp.argmax(logits, -1) == y)))
 
     batch = make_batch(n=32)
-    params, func_state = model.init(jax.random.key(0), batch[0], True)
+    # one compilation instead of one per operation run eagerly
+    params, func_state = jax.jit(model.init, static_argnums=2)(jax.random.key(0), batch[0], True)
     opt = kfacx.Optimizer(
         jax.value_and_grad(loss_fn, has_aux=True),
         l2_reg=1e-4,
@@ -593,7 +602,11 @@ def test_haiku_batchnorm_state_aux_and_rng():
             params, state, jax.random.key(i), batch, func_state
         )
         assert not jax.tree.all(
-            jax.tree.map(lambda a, b: bool(jnp.all(a == b)), new_func_state, func_state)
+            jax.tree.map(
+                lambda a, b: bool(np.all(np.asarray(a) == np.asarray(b))),
+                new_func_state,
+                func_state,
+            )
         )
         func_state = new_func_state
         losses.append(float(stats["loss"]))
@@ -666,7 +679,8 @@ def assert_factors_are_the_statistics_of(state, params, subset):
     """After one step (no burn-in), every factor is the statistic of ``subset``."""
     estimator = kfacx.BlockDiagonalCurvature(mlp_loss, default_estimation_mode="fisher_empirical")
     estimator.init(jax.random.key(0), (params, subset))
-    stats = estimator.compute_curvature_stats(jax.random.key(0), (params, subset))
+    # one compilation instead of one per operation run eagerly
+    stats = jax.jit(estimator.compute_curvature_stats)(jax.random.key(0), (params, subset))
     for block_state, block_stats in zip(state.estimator_state.blocks, stats.blocks, strict=True):
         for factor, stat in zip(block_state.factors, block_stats, strict=True):
             np.testing.assert_allclose(factor.value, stat, rtol=1e-5, atol=1e-6)
@@ -683,11 +697,14 @@ def test_curvature_batch_fraction_estimates_on_the_leading_examples_only():
     )
     _, state, history = run(opt, params, batch, 1)
     assert_factors_are_the_statistics_of(state, params, jax.tree.map(lambda a: a[:8], batch))
+
+    @jax.jit  # one compilation instead of one per operation run eagerly
+    def grad_norm(params, batch):
+        grads = jax.grad(mlp_loss)(params, batch)
+        return jnp.sqrt(_tree.tree_dot(grads, grads))
+
     # The gradient is still the full batch's.
-    grads = jax.grad(mlp_loss)(params, batch)
-    np.testing.assert_allclose(
-        history[0]["grad_norm"], jnp.sqrt(_tree.tree_dot(grads, grads)), rtol=1e-5
-    )
+    np.testing.assert_allclose(history[0]["grad_norm"], grad_norm(params, batch), rtol=1e-5)
     for bad in (0.0, 1.5, "1/8"):
         with pytest.raises(ValueError, match="curvature_batch_fraction"):
             kfacx.CurvatureConfig(curvature_batch_fraction=bad)
@@ -737,7 +754,8 @@ def test_non_scalar_loss_is_a_clear_error():
     estimator = kfacx.BlockDiagonalCurvature(vector_loss)
     estimator.init(jax.random.key(0), (params, batch))
     with pytest.raises(ValueError, match="scalar float loss"):
-        estimator.value_grads_and_curvature_stats(jax.random.key(0), (params, batch))
+        # raised while tracing (jitted: no operation is compiled on the way there)
+        jax.jit(estimator.value_grads_and_curvature_stats)(jax.random.key(0), (params, batch))
 
 
 def test_fast_compile_options_reach_the_step_and_change_nothing_but_rounding():

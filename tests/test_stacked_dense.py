@@ -98,10 +98,15 @@ def _curvature(loss, args, **kwargs):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         state = est.init(jax.random.PRNGKey(0), args)
-    state = est.update_curvature_matrix_estimate(
-        state, 0.0, 1.0, None, jax.random.PRNGKey(1), args, estimation_mode="ggn_exact"
-    )
-    return est, np.asarray(est.to_dense_matrix(state))
+
+    @jax.jit  # one compilation instead of one per operation run eagerly
+    def dense_curvature(state, args):
+        state = est.update_curvature_matrix_estimate(
+            state, 0.0, 1.0, None, jax.random.PRNGKey(1), args, estimation_mode="ggn_exact"
+        )
+        return est.to_dense_matrix(state)
+
+    return est, np.asarray(dense_curvature(state, args))
 
 
 @pytest.mark.parametrize("shared_input", [False, True], ids=["own_inputs", "shared_input"])

@@ -167,16 +167,22 @@ def test_reduce_is_the_exact_gauss_newton_block_where_expand_is_not():
                 layer_tag_to_block_ctor={"dense_tag": ctor},
             )
             state = est.init(jax.random.key(0), (params, batch))
-            _, _, stats = est.value_grads_and_curvature_stats(jax.random.key(1), (params, batch))
-            state = est.update_curvature_estimate_from_stats(state, stats, 0.0, 1.0)
-            return np.asarray(est.to_dense_matrix(state))
+
+            @jax.jit  # one compilation instead of one per operation run eagerly
+            def dense_block(state, args):
+                _, _, stats = est.value_grads_and_curvature_stats(jax.random.key(1), args)
+                state = est.update_curvature_estimate_from_stats(state, stats, 0.0, 1.0)
+                return est.to_dense_matrix(state)
+
+            return np.asarray(dense_block(state, (params, batch)))
 
         def outputs(flat):  # the parameters in leaf order: b, then w
             b, w = flat[:3], flat[3:].reshape(4, 3)
             return jnp.mean(batch[0] @ w + b[None, None], axis=1)[0]
 
-        flat = jnp.concatenate([params["b"], params["w"].ravel()])
-        jac = np.asarray(jax.jacobian(outputs)(flat))
+        flat = np.concatenate([params["b"], np.ravel(params["w"])])
+        # one compilation instead of one per operation run eagerly
+        jac = np.asarray(jax.jit(jax.jacobian(outputs))(flat))
         exact = 2 * jac.T @ jac  # the squared error's Hessian is 2 I
         np.testing.assert_allclose(block_of(DENSE_REDUCE), exact, rtol=1e-10, atol=1e-12)
         assert not np.allclose(block_of(blocks.DenseTwoKroneckerFactored), exact, atol=1e-3)

@@ -121,8 +121,13 @@ def _nearest_kronecker(pairs):
 def _state(name, max_full_size=1024):
     block = blocks.TiedKroneckerFactored(LAYERS[name](), max_full_size=max_full_size)
     state = block.init(jax.random.PRNGKey(0), exact_powers_to_cache=(-1.0,))
-    state = block.update_curvature_matrix_estimate(state, _data(name), 0.0, 1.0, B)
-    return block, block.update_cache(state, 0.0)
+
+    @jax.jit  # one compilation instead of one per operation run eagerly
+    def update(state, data):
+        state = block.update_curvature_matrix_estimate(state, data, 0.0, 1.0, B)
+        return block.update_cache(state, 0.0)
+
+    return block, update(state, _data(name))
 
 
 @pytest.mark.parametrize("name", LAYERS)

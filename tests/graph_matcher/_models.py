@@ -62,7 +62,8 @@ class Case:
 
 
 def normal(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> jax.Array:
-    return jnp.asarray(scale * rng.standard_normal(shape), jnp.float32)
+    # Cast on the host: jnp.asarray's cast would compile a conversion per shape.
+    return jnp.asarray(np.asarray(scale * rng.standard_normal(shape), np.float32), jnp.float32)
 
 
 def layer(module: str, tag: str, source: str, leaves: Sequence[str] = ("b", "w")) -> dict:
@@ -88,7 +89,7 @@ def squared_loss(prediction: jax.Array, targets: jax.Array) -> jax.Array:
 
 def _targets(kind: str, rng: np.random.Generator, batch: int, dim: int) -> jax.Array:
     if kind == "softmax":
-        return jnp.asarray(rng.integers(0, dim, size=batch), jnp.int32)
+        return jnp.asarray(np.asarray(rng.integers(0, dim, size=batch), np.int32), jnp.int32)
     return normal(rng, batch, dim)
 
 

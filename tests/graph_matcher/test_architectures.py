@@ -40,17 +40,28 @@ def _resnet_block(x, is_training=True):
 def _check(loss, params, batch):
     tagged, report = kfacx.auto_register_tags(loss, (params, batch), on_unmatched="error")
     assert report.unmatched == () and report.matched_fraction == 1.0, str(report)
-    np.testing.assert_allclose(tagged(params, batch), loss(params, batch), rtol=1e-5)
-    g_tagged, g = jax.grad(tagged)(params, batch), jax.grad(loss)(params, batch)
-    np.testing.assert_allclose(ravel_pytree(g_tagged)[0], ravel_pytree(g)[0], atol=1e-5)
+    (value_tagged, g_tagged), (value, g) = (
+        _value_and_flat_grad(f)(params, batch) for f in (tagged, loss)
+    )
+    np.testing.assert_allclose(value_tagged, value, rtol=1e-5)
+    np.testing.assert_allclose(g_tagged, g, atol=1e-5)
     return report
+
+
+def _value_and_flat_grad(f):
+    @jax.jit  # one compilation instead of one per operation run eagerly
+    def value_and_flat_grad(params, batch):
+        return f(params, batch), ravel_pytree(jax.grad(f)(params, batch))[0]
+
+    return value_and_flat_grad
 
 
 def test_transformer_block_is_fully_matched():
     net = hk.without_apply_rng(hk.transform(_transformer_block))
     x = np.random.default_rng(0).standard_normal((3, 4, 8)).astype(np.float32)
     labels = np.arange(3) % 5
-    params = net.init(jax.random.PRNGKey(0), x)
+    # one compilation instead of one per operation run eagerly
+    params = jax.jit(net.init)(jax.random.PRNGKey(0), x)
     report = _check(lambda p, b: _xent(net.apply(p, b[0]), b[1]), params, (x, labels))
     tags = {e.path: e.tag for e in report.entries}
     assert tags["multi_head_attention/query/w"] == "dense_tag"
@@ -62,7 +73,8 @@ def test_resnet_block_with_batch_norm_state_is_fully_matched():
     net = hk.transform_with_state(_resnet_block)
     x = np.random.default_rng(1).standard_normal((2, 6, 6, 3)).astype(np.float32)
     labels = np.arange(2) % 3
-    params, state = net.init(jax.random.PRNGKey(0), x)
+    # one compilation instead of one per operation run eagerly
+    params, state = jax.jit(net.init)(jax.random.PRNGKey(0), x)
 
     def loss(p, batch):
         logits, _ = net.apply(p, state, None, batch[0])
@@ -95,7 +107,8 @@ def test_group_norm_affine_parameters_are_scale_and_shift():
     )
     x = np.random.default_rng(2).standard_normal((2, 4, 4, 4)).astype(np.float32)
     labels = np.arange(2)
-    params = net.init(jax.random.PRNGKey(0), x)
+    # one compilation instead of one per operation run eagerly
+    params = jax.jit(net.init)(jax.random.PRNGKey(0), x)
     report = _check(lambda p, b: _xent(net.apply(p, b[0]), b[1]), params, (x, labels))
     tags = {e.path: e.tag for e in report.entries}
     assert tags["group_norm/scale"] == tags["group_norm/offset"] == "scale_and_shift_tag"

@@ -204,8 +204,10 @@ def test_weight_used_as_w_and_w_transposed_is_one_tied_layer():
     ((entry),) = report.entries
     assert (entry.tag, entry.uses) == ("tied(dense_tag, dense_tag)", 2)
     assert entry.source == "transposed_weight_dense+dense"
-    np.testing.assert_allclose(tagged(params, batch), M.tied_loss(params, batch), **TOL)
-    assert_trees_close(jax.grad(tagged)(params, batch), jax.grad(M.tied_loss)(params, batch))
+    # one compilation each instead of one per operation run eagerly
+    got, want = (jax.jit(jax.value_and_grad(f))(params, batch) for f in (tagged, M.tied_loss))
+    np.testing.assert_allclose(got[0], want[0], **TOL)
+    assert_trees_close(got[1], want[1])
 
 
 def _rescaled_custom_jvp(f):
@@ -241,7 +243,9 @@ def test_custom_derivative_rules_are_kept(wrap):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a fix may leave the wrapped layer unmatched
         tagged, _ = auto_register_tags(loss, (params, batch))
-    assert_trees_close(jax.grad(tagged)(params, batch), jax.grad(loss)(params, batch))
+    # one compilation each instead of one per operation run eagerly
+    got, want = (jax.jit(jax.grad(f))(params, batch) for f in (tagged, loss))
+    assert_trees_close(got, want)
 
 
 def test_row_vector_bias_does_not_break_the_estimator():
@@ -255,10 +259,15 @@ def test_row_vector_bias_does_not_break_the_estimator():
 
     est = kfacx.BlockDiagonalCurvature(loss)
     state = est.init(jax.random.PRNGKey(0), (params, batch))
-    state = est.update_curvature_matrix_estimate(
-        state, 0.0, 1.0, 3, jax.random.PRNGKey(1), (params, batch), estimation_mode="ggn_exact"
-    )
-    assert np.all(np.isfinite(est.to_dense_matrix(state)))
+
+    @jax.jit  # one compilation instead of one per operation run eagerly
+    def dense(state, args):
+        state = est.update_curvature_matrix_estimate(
+            state, 0.0, 1.0, 3, jax.random.PRNGKey(1), args, estimation_mode="ggn_exact"
+        )
+        return est.to_dense_matrix(state)
+
+    assert np.all(np.isfinite(dense(state, (params, batch))))
 
 
 # ----------------------------------------------------------------------------- 2. curvature
@@ -283,7 +292,8 @@ def _ggn_exact(est, args):
 def test_auto_and_hand_tagged_curvature_agree(name):
     loss, hand_loss, params, batch = EQUIVALENCE[name]
     args = (params, batch)
-    np.testing.assert_allclose(hand_loss(*args), loss(*args), **TOL)
+    # one compilation each instead of one per operation run eagerly
+    np.testing.assert_allclose(jax.jit(hand_loss)(*args), jax.jit(loss)(*args), **TOL)
     auto = kfacx.BlockDiagonalCurvature(loss)
     hand = kfacx.BlockDiagonalCurvature(hand_loss, auto_register_tags=False)
     with warnings.catch_warnings():
@@ -311,10 +321,14 @@ def _unmatched_args():
 
 def _update(est, args):
     state = est.init(jax.random.PRNGKey(0), args)
-    state = est.update_curvature_matrix_estimate(
-        state, 0.0, 1.0, None, jax.random.PRNGKey(1), args, estimation_mode="ggn_exact"
-    )
-    return state
+
+    @jax.jit  # one compilation instead of one per operation run eagerly
+    def update(state, args):
+        return est.update_curvature_matrix_estimate(
+            state, 0.0, 1.0, None, jax.random.PRNGKey(1), args, estimation_mode="ggn_exact"
+        )
+
+    return update(state, args)
 
 
 @pytest.mark.parametrize("kind", UNMATCHED_KINDS)

@@ -196,7 +196,8 @@ def test_tagged_function_has_same_value_and_gradient(name, variant):
         warnings.simplefilter("error")
         tagged, report = kfacx.auto_register_tags(loss, args)
     assert report.unmatched == () and report.notes == ()
-    got, want = fast_jit(jax.value_and_grad(tagged))(*args), jax.value_and_grad(loss)(*args)
+    # one compilation each instead of one per operation run eagerly
+    got, want = (fast_jit(jax.value_and_grad(f))(*args) for f in (tagged, loss))
     assert_trees_close(got, want)
     # The tags sit inside the scan's body.
     (scan,) = [e for e in jax.make_jaxpr(tagged)(*args).jaxpr.eqns if e.primitive.name == "scan"]
@@ -210,7 +211,8 @@ def layer_stack_estimates():
     loss = TM.loss_of_logits(model.apply)
     loop_loss = TM.loss_of_logits(TM.unrolled_mlp_logits)
     unrolled = TM.haiku_stack_to_unrolled(params)
-    assert_close(loop_loss(unrolled, batch), loss(params, batch))
+    # one compilation each instead of one per operation run eagerly
+    assert_close(fast_jit(loop_loss)(unrolled, batch), fast_jit(loss)(params, batch))
     v = random_like(params)
     scan = estimate(loss, (params, batch), vector=v)
     loop = estimate(loop_loss, (unrolled, batch), vector=TM.haiku_stack_to_unrolled(v))
