@@ -251,6 +251,7 @@ def make_optimizer(problem: Problem, block: str, **extra) -> kfacx.Optimizer:
     return kfacx.Optimizer(
         jax.value_and_grad(problem.loss_fn),
         l2_reg=L2_REG,
+        add_l2_reg=True,
         use_adaptive_learning_rate=True,
         use_adaptive_momentum=True,
         use_adaptive_damping=True,

@@ -355,6 +355,7 @@ def kfac_readme_runner(problem: Problem) -> Runner:
         value_func_has_state=True,
         num_burnin_steps=0,  # run explicitly (and timed) by `train`: the default 10 steps
         l2_reg=1e-5,
+        add_l2_reg=True,
         use_adaptive_learning_rate=True,
         use_adaptive_momentum=True,
         use_adaptive_damping=True,

@@ -125,6 +125,7 @@ def run_kfac(kind, params, images, batches) -> dict:
     """K-FAC with the settings ``KFAC[kind]``; the full-data loss after every step."""
     options = dict(
         l2_reg=ae.L2_REG,
+        add_l2_reg=True,
         use_adaptive_learning_rate=True,
         use_adaptive_momentum=True,
         use_adaptive_damping=True,

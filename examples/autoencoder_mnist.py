@@ -73,6 +73,7 @@ def make_kfac(args) -> kfacx.Optimizer:
     return kfacx.Optimizer(
         jax.value_and_grad(loss_fn),
         l2_reg=L2_REG,
+        add_l2_reg=True,
         use_adaptive_learning_rate=True,
         use_adaptive_momentum=True,
         use_adaptive_damping=True,

@@ -96,6 +96,7 @@ def run_kfac(params, train, order, args):
     optimizer = kfacx.Optimizer(
         jax.value_and_grad(loss_fn),
         l2_reg=args.l2_reg,
+        add_l2_reg=True,
         use_adaptive_learning_rate=True,
         use_adaptive_momentum=True,
         use_adaptive_damping=True,

@@ -175,6 +175,7 @@ def train(args) -> None:
     optimizer = kfacx.Optimizer(
         jax.value_and_grad(loss_fn, has_aux=True),
         l2_reg=1e-5,
+        add_l2_reg=True,
         value_func_has_aux=True,
         use_adaptive_learning_rate=True,
         use_adaptive_momentum=True,

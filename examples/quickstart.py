@@ -68,6 +68,7 @@ def main() -> None:
     optimizer = kfacx.Optimizer(
         jax.value_and_grad(loss_fn),
         l2_reg=1e-5,
+        add_l2_reg=True,
         use_adaptive_learning_rate=True,
         use_adaptive_momentum=True,
         use_adaptive_damping=True,

@@ -215,8 +215,8 @@ def warn_unused_params(loss_fn: Callable[..., Any], args: Sequence[Any]) -> None
     if unused:
         warnings.warn(
             f"kfacx: parameters {unused} are not used by the loss: their gradient is zero and "
-            "the optimizer leaves them unchanged (except for l2_reg weight decay). Remove them "
-            "from the parameters if this is not intended.",
+            "the optimizer leaves them unchanged (except for the l2_reg term with "
+            "add_l2_reg=True). Remove them from the parameters if this is not intended.",
             stacklevel=4,
         )
 

@@ -1,13 +1,17 @@
 """Weight decay in `kfacx.Optimizer`'s step: ``l2_reg`` and the parameters it leaves out
 (``regularized_parameters_path_exclusions``).
 
-The step minimises the loss plus ``0.5 * l2_reg * |theta_R|^2``, ``theta_R`` the
-*regularized* parameters: all of them, or those whose path (as kfacx writes it in
-messages and reports, e.g. ``"mlp/~/linear_0/b"``, ``"params/Dense_0/bias"``) no
-exclusion pattern matches (`re.search`). The term enters the gradient
-(`add_to_gradient`), the curvature of the quadratic model (`masked_norms`), the actual
-change of the objective behind the reduction ratio (`penalty_change`) and the
-preconditioner's damping of the blocks with a regularized parameter (`block_flags`).
+``l2_reg`` is the coefficient of a regularizer ``0.5 * l2_reg * |theta_R|^2``,
+``theta_R`` the *regularized* parameters: all of them, or those whose path (as kfacx
+writes it in messages and reports, e.g. ``"mlp/~/linear_0/b"``,
+``"params/Dense_0/bias"``) no exclusion pattern matches (`re.search`).
+
+As in kfac-jax, the user's loss contains the regularizer (``added=False``): ``l2_reg``
+tells the optimizer its curvature, which enters the quadratic model (`masked_norms`)
+and the preconditioner's damping of the blocks with a regularized parameter
+(`block_flags`). With ``added=True`` (``add_l2_reg``) the optimizer adds the term
+itself: to the gradient (`add_to_gradient`) and to the actual change of the objective
+behind the reduction ratio (`penalty_change`) as well.
 """
 
 from __future__ import annotations
@@ -30,9 +34,11 @@ class Regularization:
     """``l2_reg`` and its exclusion patterns.
 
     Attributes:
-      l2_reg: the weight decay.
+      l2_reg: the regularizer's coefficient.
       exclusions: regular expressions; a parameter whose path one of them matches
         (`re.search`) is not regularized.
+      added: whether the optimizer adds the regularizer to the loss (else the loss
+        already contains it).
 
     Raises:
       TypeError: if ``exclusions`` is a string or holds a non-string.
@@ -41,6 +47,7 @@ class Regularization:
 
     l2_reg: float
     exclusions: tuple[str, ...] = ()
+    added: bool = False
 
     def __post_init__(self):
         patterns = self.exclusions
@@ -85,8 +92,8 @@ class Regularization:
         return tuple(not any(re.search(p, path) for p in self.exclusions) for path in paths)
 
     def add_to_gradient(self, grads: Any, params: Any, mask: tuple[bool, ...] | None) -> Any:
-        """``grads + l2_reg * theta_R`` (``grads`` when ``l2_reg`` is 0)."""
-        if not self.l2_reg:
+        """``grads + l2_reg * theta_R`` when the term is ``added`` (else ``grads``)."""
+        if not (self.l2_reg and self.added):
             return grads
         if mask is None:
             return tree_axpy(self.l2_reg, params, grads)
@@ -99,7 +106,10 @@ class Regularization:
         return jax.tree.unflatten(treedef, out)
 
     def penalty_change(self, new: Any, old: Any, mask: tuple[bool, ...] | None) -> jax.Array:
-        """``0.5 l2_reg (|new_R|^2 - |old_R|^2)``."""
+        """``0.5 l2_reg (|new_R|^2 - |old_R|^2)`` when the term is ``added`` (else 0: the
+        loss already contains it)."""
+        if not (self.l2_reg and self.added):
+            return jnp.zeros((), jnp.float32)
         new, old = _regularized(new, mask), _regularized(old, mask)
         return 0.5 * self.l2_reg * (tree_dot(new, new) - tree_dot(old, old))
 

@@ -78,9 +78,9 @@ class Optimizer:
         gradient and the curvature statistics), so this is only used to get
         at ``loss_fn``: its value output must not depend on anything the
         gradient computation does.
-      l2_reg: weight decay: ``l2_reg * params`` is added to the gradient and
-        ``l2_reg`` to the damping of the curvature (kfacx minimises the loss plus
-        ``0.5 * l2_reg * |params|^2``; kfac-jax expects that term in the loss).
+      l2_reg: as in kfac-jax, the coefficient of the regularizer
+        ``0.5 * l2_reg * |params|^2`` that ``loss_fn`` already contains: ``l2_reg``
+        is added to the curvature (the preconditioner's damping, the quadratic model).
       value_func_has_aux: ``loss_fn`` returns ``(loss, aux)``.
       value_func_has_state: ``loss_fn`` takes a state after the parameters
         and returns ``(loss, new_state)`` (or ``(loss, (new_state, aux))``
@@ -108,15 +108,14 @@ class Optimizer:
         but ``multi_device``), e.g. `kfacx.fast_compile_options` ``()``: on the CPU a
         step compiles in about 40 % less time and runs 2-3 % slower. Default:
         XLA's own.
-      regularized_parameters_path_exclusions: regular expressions; ``l2_reg``
-        leaves out the parameters whose path (as in kfacx's messages, e.g.
-        ``"mlp/~/linear_0/b"``, ``"params/LayerNorm_0/scale"``) one of them matches
-        (`re.search`), e.g. ``(r"/b$", "norm")`` for biases and norms: no weight
-        decay in their gradient, no ``0.5 l2_reg |p|^2`` of theirs in the
-        quadratic model and in ``rho``, and no ``l2_reg`` in the damping of the
-        curvature blocks all of whose parameters are left out (a block with some
-        regularized parameters keeps it: one block has one damping). A pattern
+      regularized_parameters_path_exclusions: regular expressions (`re.search`) on
+        parameter paths as in kfacx's messages, e.g. ``(r"/b$", "norm")``: the
+        parameters the ``l2_reg`` term leaves out (no curvature of theirs in the
+        quadratic model, nor in the damping of blocks made of them only). A pattern
         that matches no parameter is a ``ValueError`` at `init`.
+      add_l2_reg: the optimizer adds the ``l2_reg`` term to the loss itself (to the
+        gradient and to the loss change behind ``rho``), as kfacx's ``l2_reg`` did in
+        0.1.0.dev0 before it took kfac-jax's meaning.
       **kwargs: any config field by its (kfac-jax) name, e.g.
         ``use_adaptive_damping=True, initial_damping=1.0``; overrides the configs.
         Each field is documented on its config class (kfac-jax's less common
@@ -159,6 +158,7 @@ class Optimizer:
         debug: bool = False,
         compiler_options: Mapping[str, Any] | None = None,
         regularized_parameters_path_exclusions: Sequence[str] = (),
+        add_l2_reg: bool = False,
         **kwargs: Any,
     ):
         if not callable(value_and_grad_func):
@@ -193,7 +193,7 @@ class Optimizer:
             curvature,
             learning_rate,
             damping,
-            Regularization(float(l2_reg), regularized_parameters_path_exclusions),
+            Regularization(float(l2_reg), regularized_parameters_path_exclusions, add_l2_reg),
             schedules(learning_rate, damping),
             self._passes,
             self.placement,

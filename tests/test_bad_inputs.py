@@ -151,21 +151,22 @@ def test_bf16_parameters_stay_bf16_and_finite():
 
 
 @pytest.mark.filterwarnings("ignore:kfacx. no layer pattern matched")
-@pytest.mark.parametrize("l2_reg", [0.0, 1e-2])
-def test_parameter_not_used_by_the_loss_warns_and_is_left_unchanged(l2_reg):
+@pytest.mark.parametrize("l2_reg,added", [(0.0, False), (1e-2, False), (1e-2, True)])
+def test_parameter_not_used_by_the_loss_warns_and_is_left_unchanged(l2_reg, added):
     """It gets a zero gradient and a zero-curvature diagonal block, so its update is zero;
-    with l2_reg, weight decay still applies: p -= lr * l2 p / (damping + l2)."""
+    with an added l2_reg term, weight decay still applies: p -= lr * l2 p / (damping + l2)."""
     params = dict(make_params(), extra=jnp.arange(3.0))
     batch = make_batch()
-    opt = _opt(l2_reg=l2_reg)  # mlp_loss reads w1, b1, w2, b2 only
+    opt = _opt(l2_reg=l2_reg, add_l2_reg=added)  # mlp_loss reads w1, b1, w2, b2 only
     with pytest.warns(UserWarning, match=r"\['extra'\] are not used by the loss"):
         state = opt.init(params, jax.random.key(0), batch)
     new_params, new_state, stats = _step(opt, params, state, batch)
     _assert_normal_step(params, state, new_params, new_state, stats)
     assert not np.allclose(new_params["w1"], params["w1"])
-    want = params["extra"] * (1.0 - 0.1 * l2_reg / (1e-2 + l2_reg))
+    decay = l2_reg if added else 0.0
+    want = params["extra"] * (1.0 - 0.1 * decay / (1e-2 + l2_reg))
     np.testing.assert_allclose(new_params["extra"], want, rtol=1e-6)
-    if not l2_reg:
+    if not added:
         np.testing.assert_array_equal(new_params["extra"], params["extra"])
 
 

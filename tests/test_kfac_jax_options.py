@@ -160,6 +160,7 @@ def test_precon_power_is_the_dense_damped_curvature_to_that_power():
         opt = kfacx.Optimizer(
             jax.value_and_grad(mlp_loss),
             l2_reg=l2,
+            add_l2_reg=True,
             precon_power=-0.5,
             use_exact_inverses=True,
             learning_rate_schedule=lr,
@@ -468,6 +469,7 @@ def test_path_exclusions_leave_parameters_out_of_the_regularized_objective():
         opt = kfacx.Optimizer(
             jax.value_and_grad(linear_loss),
             l2_reg=l2,
+            add_l2_reg=True,
             regularized_parameters_path_exclusions=(r"^b$",),
             use_adaptive_learning_rate=True,
             use_adaptive_momentum=True,
@@ -510,6 +512,7 @@ def test_path_exclusions_drop_weight_decay_and_the_l2_damping_of_excluded_blocks
     opt = kfacx.Optimizer(
         jax.value_and_grad(scaled_mlp_loss),
         l2_reg=l2,
+        add_l2_reg=True,
         regularized_parameters_path_exclusions=("^s$", "^b"),
         learning_rate_schedule=lr,
         initial_damping=damping,

@@ -79,6 +79,7 @@ def test_optax_chain_equals_optimizer_with_fixed_lr_and_momentum():
     opt = kfacx.Optimizer(
         jax.value_and_grad(mlp_loss),
         l2_reg=l2,
+        add_l2_reg=True,
         learning_rate_schedule=lr,
         momentum_schedule=mom,
         initial_damping=damping,
@@ -257,6 +258,7 @@ def test_adaptive_coefficients_minimise_the_exact_quadratic_and_rho_is_one():
         opt = kfacx.Optimizer(
             jax.value_and_grad(linear_regression_loss),
             l2_reg=l2,
+            add_l2_reg=True,
             **dict(ADAPTIVE, damping_adaptation_interval=1),
             **DETERMINISTIC,
         )

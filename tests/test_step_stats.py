@@ -84,6 +84,7 @@ def optimizer(name: str) -> kfacx.Optimizer:
     return kfacx.Optimizer(
         jax.value_and_grad(func, has_aux=has_aux),
         l2_reg=L2,
+        add_l2_reg=True,
         value_func_has_aux=has_aux,
         **options,
         **DETERMINISTIC,

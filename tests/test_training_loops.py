@@ -69,6 +69,7 @@ def _reference_run(loss_fn, params, func_state=None, has_aux=False):
         jax.value_and_grad(loss_fn, has_aux=has_aux or func_state is not None),
         value_func_has_state=func_state is not None,
         l2_reg=L2,
+        add_l2_reg=True,
         num_burnin_steps=0,
         estimation_mode="ggn_exact",
         learning_rate_schedule=LR,
