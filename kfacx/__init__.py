@@ -44,6 +44,7 @@ from kfacx.graph_matcher import (
     auto_register_tags,
 )
 from kfacx.losses import (
+    CTCLoss,
     LossFunction,
     NormalPredictiveLoss,
     SigmoidCrossEntropyLoss,
@@ -62,6 +63,7 @@ from kfacx.tags import (
     LossTag,
     register_conv,
     register_conv2d,
+    register_ctc_loss,
     register_dense,
     register_embedding,
     register_generic,
@@ -110,6 +112,7 @@ __all__ = [
     "DEFAULT_LAYER_TAG_TO_BLOCK_CTOR",
     "ESTIMATION_MODES",
     "BlockDiagonalCurvature",
+    "CTCLoss",
     "ConvEKFAC",
     "ConvTNT",
     "ConvTwoKroneckerFactored",
@@ -148,6 +151,7 @@ __all__ = [
     "parallel",
     "register_conv",
     "register_conv2d",
+    "register_ctc_loss",
     "register_dense",
     "register_embedding",
     "register_generic",

@@ -12,6 +12,10 @@ curvature blocks divide their statistics by the batch size. They include
 ``multiply_ggn`` computes ``weight * mask * H_b v`` and the factor ``S`` with
 ``S S^T = weight * mask * H_b`` is what the curvature-propagation and exact
 estimation modes push backwards through the network.
+
+`CTCLoss` is the exception to the single-distribution rule: its value is the CTC
+loss of whole label sequences, its curvature the Fisher of the per-frame
+categorical model those sequences marginalise (see `kfacx.register_ctc_loss`).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from kfacx import tags
 
@@ -55,6 +60,23 @@ class LossFunction(abc.ABC):
         self.targets = targets
         self.mask = mask
         self.weight = float(weight)
+
+    @classmethod
+    def from_operands(
+        cls, prediction: jax.Array, targets: jax.Array, extra: Sequence[Any], params: dict
+    ) -> LossFunction:
+        """The loss of one loss-tag equation (see `loss_from_tag`).
+
+        Args:
+          prediction, targets: the tag's first two operands.
+          extra: its other operands: ``()`` or ``(mask,)`` for the built-in losses
+            except `CTCLoss`, which overrides this.
+          params: the tag's keyword parameters (``weight``, ...).
+
+        Returns:
+          ``cls(prediction, targets, mask, **params)``.
+        """
+        return cls(prediction, targets, extra[0] if extra else None, **params)
 
     @property
     def batch_size(self) -> int:
@@ -173,6 +195,24 @@ class LossFunction(abc.ABC):
         return jax.vmap(self.multiply_ggn_factor)(basis)
 
 
+def _categorical_factor(p: jax.Array, v: jax.Array) -> jax.Array:
+    """``S v`` with ``S S^T = diag(p) - p p^T`` over the last axis:
+    ``S = (I - p 1^T) diag(sqrt p)``."""
+    sqrt_p = jnp.sqrt(p)
+    return sqrt_p * v - p * jnp.sum(sqrt_p * v, axis=-1, keepdims=True)
+
+
+def _categorical_factor_t(p: jax.Array, v: jax.Array) -> jax.Array:
+    """``S^T v`` for the factor of `_categorical_factor`."""
+    sqrt_p = jnp.sqrt(p)
+    return sqrt_p * v - sqrt_p * jnp.sum(p * v, axis=-1, keepdims=True)
+
+
+def _categorical_hessian(p: jax.Array, v: jax.Array) -> jax.Array:
+    """``(diag(p) - p p^T) v`` over the last axis: the softmax cross-entropy's Hessian."""
+    return p * v - p * jnp.sum(p * v, axis=-1, keepdims=True)
+
+
 class SoftmaxCrossEntropyLoss(LossFunction):
     """Categorical distribution over the last axis of the logits.
 
@@ -205,18 +245,13 @@ class SoftmaxCrossEntropyLoss(LossFunction):
         return self._probs() - self._soft_targets(targets)
 
     def _factor(self, v):
-        p = self._probs()
-        sqrt_p = jnp.sqrt(p)
-        return sqrt_p * v - p * jnp.sum(sqrt_p * v, axis=-1, keepdims=True)
+        return _categorical_factor(self._probs(), v)
 
     def _factor_t(self, v):
-        p = self._probs()
-        sqrt_p = jnp.sqrt(p)
-        return sqrt_p * v - sqrt_p * jnp.sum(p * v, axis=-1, keepdims=True)
+        return _categorical_factor_t(self._probs(), v)
 
     def _hessian(self, v):
-        p = self._probs()
-        return p * v - p * jnp.sum(p * v, axis=-1, keepdims=True)
+        return _categorical_hessian(self._probs(), v)
 
 
 class SigmoidCrossEntropyLoss(LossFunction):
@@ -280,9 +315,127 @@ class NormalPredictiveLoss(LossFunction):
         return v / self.variance
 
 
+class CTCLoss(LossFunction):
+    """The CTC loss (`optax.ctc_loss`), with the curvature of its per-frame model.
+
+    The value and its gradient are CTC's: ``weight * (1/B) * sum_b ctc_b`` (`evaluate`,
+    `per_example_gradient`, `empirical_fisher_cotangent`). Everything else, the
+    curvature products, their factor and the sampled targets, belongs to the
+    per-frame categorical model the CTC distribution marginalises: independent
+    ``softmax(logits[b, t])`` over the frames ``t``, a real frame (``mask`` 1)
+    contributing ``diag(p) - p p^T`` and a padded one (``mask`` 0) nothing. Terms
+    are the frames (`term_shape` ``[B, T]``); samples are frame labels ``[B, T]``.
+    `kfacx.register_ctc_loss` says what this approximates.
+
+    Args:
+      prediction: logits ``[B, T, K]``.
+      targets: integer labels ``[B, N]``.
+      mask: ``[B, T]``: ``1 - logit_paddings`` (None: no padded frame).
+      weight: positive constant scaling the loss.
+      label_paddings: ``[B, N]``, 1.0 marks a padded label (None: none).
+      blank_id, log_epsilon: as `optax.ctc_loss`.
+    """
+
+    tag_name = tags.ctc.name
+
+    def __init__(
+        self,
+        prediction: jax.Array,
+        targets: jax.Array,
+        mask: jax.Array | None = None,
+        weight: float = 1.0,
+        label_paddings: jax.Array | None = None,
+        blank_id: int = 0,
+        log_epsilon: float = -1e5,
+    ):
+        super().__init__(prediction, targets, mask, weight)
+        if label_paddings is None:
+            label_paddings = jnp.zeros(jnp.shape(targets), prediction.dtype)
+        self.label_paddings = label_paddings
+        self.blank_id = int(blank_id)
+        self.log_epsilon = float(log_epsilon)
+
+    @classmethod
+    def from_operands(cls, prediction, targets, extra, params):
+        """The tag's operands are ``(logits, labels, 1 - logit_paddings, label_paddings)``."""
+        mask, label_paddings = extra
+        return cls(prediction, targets, mask, label_paddings=label_paddings, **params)
+
+    @property
+    def term_shape(self) -> tuple[int, ...]:
+        return tuple(self.prediction.shape[:-1])
+
+    def _ctc(self, logits: jax.Array, labels: jax.Array) -> jax.Array:
+        """`optax.ctc_loss` per sequence, ``[B]``."""
+        ones = jnp.ones(self.term_shape, logits.dtype)
+        paddings = ones - (ones if self.mask is None else self.mask.astype(logits.dtype))
+        return optax.ctc_loss(
+            logits,
+            paddings,
+            labels,
+            self.label_paddings.astype(logits.dtype),
+            blank_id=self.blank_id,
+            log_epsilon=self.log_epsilon,
+        )
+
+    def _ctc_gradient(self, labels: jax.Array) -> jax.Array:
+        """The gradient of ``sum_b ctc_b`` w.r.t. the logits (each row its own example's:
+        ``p - gamma`` per frame, ``gamma`` the alignment posterior; 0 on padded frames)."""
+        return jax.grad(lambda z: jnp.sum(self._ctc(z, labels)))(self.prediction)
+
+    def _nll(self, targets):
+        # Per sequence ([B]), not per term: the frames' terms do not add up to CTC.
+        return self._ctc(self.prediction, targets)
+
+    def evaluate(self, targets: jax.Array | None = None) -> jax.Array:
+        """The loss value ``weight * (1/B) * sum_b ctc_b`` (scalar).
+
+        Args:
+          targets: label sequences ``[B, N]`` to evaluate at (with the registered
+            label paddings); defaults to the registered labels.
+        """
+        labels = self.targets if targets is None else targets
+        return self.weight * jnp.sum(self._nll(labels)) / self.batch_size
+
+    def per_example_gradient(self, targets: jax.Array | None = None) -> jax.Array:
+        """``B *`` the gradient of `evaluate` w.r.t. the logits (CTC's own gradient).
+
+        Args:
+          targets: label sequences ``[B, N]``; defaults to the registered labels.
+        """
+        grad = self._ctc_gradient(self.targets if targets is None else targets)
+        return self._scale(grad, 1.0)
+
+    def empirical_fisher_cotangent(self) -> jax.Array:
+        """``sqrt(weight) *`` CTC's gradient at the observed labels: its outer product is
+        the empirical Fisher of the CTC loss itself (not of the per-frame model)."""
+        return self._scale(self._ctc_gradient(self.targets), 1.0) / math.sqrt(self.weight)
+
+    def _probs(self) -> jax.Array:
+        return jax.nn.softmax(self.prediction, axis=-1)
+
+    def _sample(self, rng):
+        return jax.random.categorical(rng, self.prediction, axis=-1)
+
+    def _gradient(self, targets):
+        # ``targets`` are frame labels [B, T] (`sample`): the per-frame cross-entropy's gradient.
+        return self._probs() - jax.nn.one_hot(
+            targets, self.prediction.shape[-1], dtype=self.prediction.dtype
+        )
+
+    def _factor(self, v):
+        return _categorical_factor(self._probs(), v)
+
+    def _factor_t(self, v):
+        return _categorical_factor_t(self._probs(), v)
+
+    def _hessian(self, v):
+        return _categorical_hessian(self._probs(), v)
+
+
 _LOSS_CLASSES: dict[str, type[LossFunction]] = {
     cls.tag_name: cls
-    for cls in (SoftmaxCrossEntropyLoss, SigmoidCrossEntropyLoss, NormalPredictiveLoss)
+    for cls in (SoftmaxCrossEntropyLoss, SigmoidCrossEntropyLoss, NormalPredictiveLoss, CTCLoss)
 }
 
 
@@ -309,5 +462,5 @@ def loss_from_tag(tag: tags.LossTag, operands: Sequence[Any], params: dict) -> L
             f"Loss tag {tag.name!r} has no LossFunction; register one with "
             "kfacx.losses.register_loss_class(tag, cls)."
         )
-    prediction, targets, *mask = operands
-    return cls(prediction, targets, mask[0] if mask else None, **params)
+    prediction, targets, *extra = operands
+    return cls.from_operands(prediction, targets, tuple(extra), dict(params))

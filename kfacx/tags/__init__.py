@@ -17,8 +17,10 @@ from kfacx.tags._dense import (
 from kfacx.tags._layer_tags import LayerTag, generic, layer_tag_for, register_generic
 from kfacx.tags._loss_tags import (
     LossTag,
+    ctc,
     loss_tag_for,
     normal_predictive,
+    register_ctc_loss,
     register_normal_predictive_distribution,
     register_sigmoid_cross_entropy_loss,
     register_softmax_cross_entropy_loss,
@@ -38,6 +40,7 @@ __all__ = [
     "LossTag",
     "conv",
     "conv_meta",
+    "ctc",
     "dense",
     "dense_meta",
     "dense_slice_meta",
@@ -49,6 +52,7 @@ __all__ = [
     "normal_predictive",
     "register_conv",
     "register_conv2d",
+    "register_ctc_loss",
     "register_dense",
     "register_embedding",
     "register_generic",
