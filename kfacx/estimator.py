@@ -10,6 +10,7 @@ import jax
 from kfacx import _checks, _identity_weights, _paths, _refresh, _statistics, graph_matcher, tracer
 from kfacx import blocks as blocks_lib
 from kfacx._statistics import ESTIMATION_MODES, CurvatureStats, weighted_mean_stats
+from kfacx._user_warnings import said_once
 from kfacx.losses import LossFunction
 
 __all__ = [
@@ -117,11 +118,8 @@ class BlockDiagonalCurvature:
         self.norm_to_scale_identity_weight_per_block = blocks_lib.check_norm_type(
             norm_to_scale_identity_weight_per_block, "norm_to_scale_identity_weight_per_block"
         )
-        self._cache_spec = (
-            tuple(exact_powers_to_cache),
-            tuple(approx_powers_to_cache),
-            cache_eigenvalues,
-        )
+        self._cache_spec = (tuple(exact_powers_to_cache), tuple(approx_powers_to_cache))
+        self._cache_spec += (cache_eigenvalues,)
         self.auto_register_tags = auto_register_tags
         self.auto_register_kwargs = _checks.auto_register_kwargs(
             auto_register_kwargs, graph_matcher.ON_UNMATCHED
@@ -133,6 +131,7 @@ class BlockDiagonalCurvature:
         self._blocks: tuple[blocks_lib.CurvatureBlock, ...] = ()
         self._coverage_shapes: tuple[tuple[int, ...] | None, ...] = ()
         self._tagged: dict[Any, tuple[Callable[..., Any], Any]] = {}
+        self._warned: set[str] = set()  # detection's warnings, said once per estimator
         self._report: graph_matcher.RegistrationReport | None = None
 
     # ---------------------------------------------------------------- set-up
@@ -143,9 +142,9 @@ class BlockDiagonalCurvature:
             return self.func
         key = tracer.shape_key(func_args)
         if key not in self._tagged:
-            self._tagged[key] = graph_matcher.auto_register_tags(
-                self.func, func_args, params_index=self.params_index, **self.auto_register_kwargs
-            )
+            kwargs = dict(params_index=self.params_index, **self.auto_register_kwargs)
+            with said_once(self._warned):
+                self._tagged[key] = graph_matcher.auto_register_tags(self.func, func_args, **kwargs)
         tagged, self._report = self._tagged[key]
         return tagged
 

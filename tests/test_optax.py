@@ -864,7 +864,9 @@ def test_optimizer_and_optax_chain_take_identical_steps():
         return reference(params, batch, register=True)[0]
 
     kwargs = dict(curvature_ema=0.75, inverse_update_period=2, estimation_mode="ggn_exact")
-    opt = kfacx.Optimizer(jax.value_and_grad(loss_fn), l2_reg=l2, add_l2_reg=True, num_burnin_steps=0, **kwargs)
+    opt = kfacx.Optimizer(
+        jax.value_and_grad(loss_fn), l2_reg=l2, add_l2_reg=True, num_burnin_steps=0, **kwargs
+    )
     est = kfacx.BlockDiagonalCurvature(loss_fn, default_estimation_mode="ggn_exact")
     tx = optax.chain(
         optax.add_decayed_weights(l2),

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import pathlib
-import sys
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -15,7 +12,7 @@ import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
 
-from kfacx import _jaxpr, tags
+from kfacx import _jaxpr, _user_warnings, tags
 from kfacx._paths import checked_param_paths, param_origins
 from kfacx.graph_matcher._defaults import DEFAULT_GRAPH_PATTERNS
 from kfacx.graph_matcher._match import MANUAL, AmbiguousPatternsError, Match, find_matches
@@ -24,15 +21,7 @@ from kfacx.graph_matcher._report import RegistrationEntry, RegistrationReport
 
 ON_UNMATCHED = ("warn", "error", "full")
 
-_PACKAGE_DIR = str(pathlib.Path(__file__).resolve().parents[1])
-
-
-def _warn(message: str) -> None:
-    """Warns at the first stack frame outside kfacx (the user's call)."""
-    frame, level = sys._getframe(1), 2
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
-        frame, level = frame.f_back, level + 1
-    warnings.warn(message, stacklevel=level)
+_warn = _user_warnings.warn
 
 
 @dataclasses.dataclass
