@@ -256,6 +256,7 @@ class Optimizer:
             ``value_func_has_state``.
         """
         self._check_func_state(func_state)
+        params, rng, batch, func_state = self.placement.adopt(params, rng, batch, func_state)
         _checks.check_init_args(params, batch, example_axis=int(self.multi_device))
         self._past_first_step = False
         init = self.placement.stage_init(self.unstaged_init, self.debug)
@@ -392,6 +393,7 @@ class Optimizer:
         _checks.check_step_values(learning_rate=learning_rate, momentum=momentum, damping=damping)
         if (batch is None) == (data_iterator is None):
             raise ValueError("Pass exactly one of batch and data_iterator.")
+        batch, func_state = self.placement.adopt(batch, func_state)
         if not self._is_set_up and batch is not None:  # E.g. resuming from a checkpoint.
             self._set_up(params, rng, batch, func_state)
         calibrate = self.damping.use_initial_damping_calibration

@@ -319,6 +319,23 @@ def test_distributed_inverses_do_not_change_the_step_float32(placement):
     )
 
 
+@pytest.mark.parametrize(
+    "placement,axis_type",
+    [("mesh", "Explicit"), ("shard_map", "Explicit"), ("shard_map", "Auto")],
+)
+def test_a_batch_placed_on_the_mesh_steps_as_an_unplaced_one(placement, axis_type):
+    """The documented way to feed a mesh: each process's rows placed with
+    `jax.make_array_from_process_local_data` on a mesh from `jax.make_mesh`, whose axes are
+    Explicit by default (or Auto). Init and step take the batch as it lives there."""
+    axis_types = (getattr(jax.sharding.AxisType, axis_type),)
+    mesh = jax.make_mesh((N,), ("data",), axis_types=axis_types, devices=jax.devices()[:N])
+    params, (x, y) = make_params(), make_batch(n=32)
+    rows = jax.sharding.NamedSharding(mesh, P("data"))
+    batch = tuple(jax.make_array_from_process_local_data(rows, np.asarray(a)) for a in (x, y))
+    got = _run_single(params, batch, 5, mesh=mesh, use_shard_map=placement == "shard_map", **SIMPLE)
+    jax.tree.map(np.testing.assert_array_equal, _simple_run(placement), jax.device_get(got[:2]))
+
+
 def test_mesh_step_keeps_outputs_replicated_on_the_mesh():
     p, state, _ = _run_mesh(make_params(), make_batch(n=32), 2, **SIMPLE)
     for leaf in jax.tree.leaves((p, state)):

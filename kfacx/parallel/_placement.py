@@ -94,7 +94,7 @@ class Placement:
             # The step is partitioned by the compiler (or by shard_map), so the
             # mesh's axes are used as Auto axes: with Explicit axes (the default of
             # `jax.make_mesh`) every op of the user's model would need sharding rules.
-            mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(names))
+            mesh = _auto_mesh(mesh)
         self.mesh = mesh
         self.data_axis_name = data_axis_name
         self.distributed_inverses = distributed_inverses
@@ -137,6 +137,14 @@ class Placement:
         return jax.tree.map(lambda x: x[: jax.numpy.shape(x)[0] // n], batch)
 
     # ---------------------------------------------------------------- data placement
+
+    def adopt(self, *trees: Any) -> tuple[Any, ...]:
+        """``trees`` with every array that lives on a mesh with Explicit axes (the
+        default of `jax.make_mesh`, e.g. a batch from
+        `jax.make_array_from_process_local_data`) moved onto the same devices and
+        spec of that mesh with Auto axes: no copy, and the arrays' types no longer
+        ask every operation of the model for sharding rules."""
+        return tuple(jax.tree.map(_on_auto_axes, tree) for tree in trees)
 
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, _P())
@@ -242,6 +250,20 @@ class Placement:
             check_vma=False,
         )
         return mapped(est_state, identity_weight)
+
+
+def _auto_mesh(mesh: Mesh) -> Mesh:
+    """``mesh`` with Auto axes (same devices and names)."""
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
+def _on_auto_axes(x: Any) -> Any:
+    sharding = getattr(x, "sharding", None) if isinstance(x, jax.Array) else None
+    if isinstance(x, jax.core.Tracer) or not isinstance(sharding, NamedSharding):
+        return x
+    if AxisType.Explicit not in tuple(sharding.mesh.axis_types):
+        return x
+    return jax.device_put(x, NamedSharding(_auto_mesh(sharding.mesh), sharding.spec))
 
 
 def _parameter_names(fn: Callable[..., Any]) -> tuple[str, ...]:
