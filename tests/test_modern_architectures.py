@@ -190,7 +190,7 @@ def lm_batch(seed=1, dtype=jnp.int32):
 
 def _lm_expected(embed, tied, norm):
     """``path -> (tag, pattern)`` the LM's parameters must get."""
-    scale = ("scale_and_shift_tag", "expanded_offset_scale" if norm == "gemma" else "scale")
+    scale = ("scale_and_shift_tag", "offset_scale" if norm == "gemma" else "scale")
     out = {p: DENSE for p in ("attn/wq", "attn/wk", "attn/wv", "attn/wo")}
     out |= {f"mlp/{p}": DENSE for p in ("w_gate", "w_up", "w_down")}
     out |= {p: scale for p in ("attn_norm", "mlp_norm", "final_norm", "attn/q_norm", "attn/k_norm")}

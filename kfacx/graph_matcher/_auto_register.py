@@ -45,16 +45,19 @@ class _Plan:
         return not (self.matches or self.children)
 
 
-def _plan(jaxpr, origins, patterns, claims: dict, notes: list, depth: int = 0) -> _Plan:
+def _plan(
+    jaxpr, origins, patterns, claims: dict, notes: list, depth: int = 0, batch_sizes=None
+) -> _Plan:
     """Matches in ``jaxpr`` and, recursively, in call bodies, cond branches and (nested)
-    scan bodies; ``depth`` counts the scans around ``jaxpr``.
+    scan bodies; ``depth`` counts the scans around ``jaxpr``; ``batch_sizes``: see
+    `find_matches`.
 
     Origins follow `kfacx._jaxpr.bodies`: inside a scan body, parameters closed over
     (consts) keep their leaf index and scanned-over ones (xs) are labelled
     `kfacx._jaxpr.ScanSlice` (stacked layers); a cond branch sees the labels of the
     cond's operands after the index.
     """
-    matches = find_matches(jaxpr, origins, patterns, claims, notes)
+    matches = find_matches(jaxpr, origins, patterns, claims, notes, batch_sizes)
     if depth:
         matches = _without_stacked_dense(matches, notes)
     children = {}
@@ -68,7 +71,15 @@ def _plan(jaxpr, origins, patterns, claims: dict, notes: list, depth: int = 0) -
         if _jaxpr.is_scan(eqn):
             _note_scan_carry(eqn, ins, notes)
         plans = tuple(
-            _plan(b.jaxpr, b.origins, patterns, claims, notes, depth + (b.scan is not None))
+            _plan(
+                b.jaxpr,
+                b.origins,
+                patterns,
+                claims,
+                notes,
+                depth + (b.scan is not None),
+                batch_sizes,
+            )
             for b in inner
         )
         if not all(plan.empty for plan in plans):
@@ -148,7 +159,8 @@ def _tag_output(match: Match | None, value, env):
     if match is None:
         return value
     params = [_jaxpr.read(env, u) for u in match.param_vars]
-    inputs = match.pattern.tag_inputs([_jaxpr.read(env, u) for u in match.input_vars], params)
+    inputs = [_jaxpr.read(env, u) for u in match.input_vars]
+    inputs = match.pattern.tag_inputs(inputs, params, value)
     return _bind_tag(match, value, inputs, params)
 
 
@@ -261,7 +273,8 @@ def auto_register_tags(
     paths = list(checked_param_paths(func_args[params_index]))
     origins = param_origins(func_args, params_index, len(closed.jaxpr.invars))
     manual = _tagged_leaves(closed.jaxpr, origins)
-    plan, notes = _detect(closed.jaxpr, origins, list(graph_patterns), paths)
+    sizes = _batch_sizes(func_args, params_index)
+    plan, notes = _detect(closed.jaxpr, origins, list(graph_patterns), paths, sizes)
     for note in notes:
         _warn(f"kfacx: {note}")
     sources = _sources(manual, plan)
@@ -290,7 +303,15 @@ def _traced_for_detection(func, func_args: tuple):
     return closed, jax.tree_util.tree_structure(out_shape)
 
 
-def _detect(jaxpr, origins, patterns: list[GraphPattern], paths: list[str]):
+def _batch_sizes(func_args: tuple, params_index: int) -> frozenset[int]:
+    """The leading sizes of the arrays of ``func_args`` other than the parameters: where
+    a batch's examples are (`kfacx._batch_layout`)."""
+    others = [a for i, a in enumerate(func_args) if i != params_index]
+    shapes = [jnp.shape(x) for x in jax.tree_util.tree_leaves(others)]
+    return frozenset(int(s[0]) for s in shapes if s)
+
+
+def _detect(jaxpr, origins, patterns: list[GraphPattern], paths: list[str], batch_sizes=None):
     """``(plan, notes)``: the matches of ``patterns`` (parameters tagged by hand are kept
     as they are) and the notes for the user, with parameter paths, without repeats.
 
@@ -299,7 +320,8 @@ def _detect(jaxpr, origins, patterns: list[GraphPattern], paths: list[str]):
     """
     raw_notes: list[tuple[str, tuple[int, ...]]] = []
     try:
-        plan = _plan(jaxpr, origins, patterns, _manual_claims(jaxpr, origins), raw_notes)
+        claims = _manual_claims(jaxpr, origins)
+        plan = _plan(jaxpr, origins, patterns, claims, raw_notes, batch_sizes=batch_sizes)
     except AmbiguousPatternsError as e:
         raise ValueError(f"{e} Parameters: {[paths[i] for i in e.leaves]}.") from e
     notes = dict.fromkeys(f"{text}: {[paths[i] for i in leaves]}" for text, leaves in raw_notes)

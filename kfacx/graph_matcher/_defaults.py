@@ -1,4 +1,5 @@
-"""The built-in graph patterns: dense, convolution and scale-and-shift layers."""
+"""The built-in graph patterns: dense, convolution and embedding layers, and the
+scale-and-shift ones of `kfacx.graph_matcher._scale_patterns`, in one precedence order."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kfacx import tags
+from kfacx.graph_matcher import _scale_patterns as S
 from kfacx.graph_matcher._pattern import OUTPUT_PERMUTATION, GraphPattern
 
 
@@ -189,17 +191,6 @@ def _lookup(indices, params):
     return jax.lax.gather(table, indices, dn, (1, table.shape[1]), mode="promise_in_bounds")
 
 
-def _scale_and_shift_extractor(has_scale: bool, has_shift: bool, scale_offset: float = 0.0):
-    def extract(eqns: Sequence[Any]) -> dict[str, Any]:
-        del eqns
-        meta: dict[str, Any] = dict(has_scale=has_scale, has_shift=has_shift)
-        if scale_offset:
-            meta["scale_offset"] = scale_offset
-        return meta
-
-    return extract
-
-
 def _z(*shape):
     return np.zeros(shape, np.float32)
 
@@ -305,44 +296,6 @@ CONV_WITH_BIAS = GraphPattern(
     example_args=[_z(2, 5, 5, 3), [_z(3, 3, 3, 4), _z(4)]],
     precedence=30,
 )
-SCALE_AND_SHIFT = GraphPattern(
-    name="scale_and_shift",
-    tag_primitive=tags.scale_and_shift,
-    compute_func=lambda x, p: x * p[0] + p[1],
-    parameters_extractor_func=_scale_and_shift_extractor(True, True),
-    example_args=[_z(2, 3), [_z(3), _z(3)]],
-    precedence=20,
-)
-#: ``x * (1 + scale) + shift``: a learned scale stored as its offset from 1 (Gemma-style
-#: RMSNorm, a learned feature-wise modulation). The literal is checked by the numerical
-#: verification of each match (the tag computes with ``scale_offset=1``).
-OFFSET_SCALE_AND_SHIFT = GraphPattern(
-    name="offset_scale_and_shift",
-    tag_primitive=tags.scale_and_shift,
-    compute_func=lambda x, p: x * (1.0 + p[0]) + p[1],
-    parameters_extractor_func=_scale_and_shift_extractor(True, True, 1.0),
-    example_args=[_z(2, 3), [_z(3), _z(3)]],
-    precedence=21,
-)
-OFFSET_SCALE = GraphPattern(
-    name="offset_scale",
-    tag_primitive=tags.scale_and_shift,
-    compute_func=lambda x, p: x * (1.0 + p[0]),
-    parameters_extractor_func=_scale_and_shift_extractor(True, False, 1.0),
-    example_args=[_z(2, 3), [_z(3)]],
-    precedence=6,
-)
-#: ``x * (1 + expand_dims(scale))``: `OFFSET_SCALE` with the scale broadcast to ``x``'s rank
-#: *before* the offset is added, as Gemma's RMSNorm writes it
-#: (``jnp.expand_dims(scale, range(x.ndim - 1))``, then ``x * (1 + scale)``).
-EXPANDED_OFFSET_SCALE = GraphPattern(
-    name="expanded_offset_scale",
-    tag_primitive=tags.scale_and_shift,
-    compute_func=lambda x, p: x * (1.0 + jnp.expand_dims(p[0], 0)),
-    parameters_extractor_func=_scale_and_shift_extractor(True, False, 1.0),
-    example_args=[_z(2, 3), [_z(3)]],
-    precedence=6,
-)
 DENSE = GraphPattern(
     name="dense",
     tag_primitive=tags.dense,
@@ -359,32 +312,6 @@ CONV = GraphPattern(
     example_args=[_z(2, 5, 5, 3), [_z(3, 3, 3, 4)]],
     precedence=10,
 )
-SCALE = GraphPattern(
-    name="scale",
-    tag_primitive=tags.scale_and_shift,
-    compute_func=lambda x, p: x * p[0],
-    parameters_extractor_func=_scale_and_shift_extractor(True, False),
-    example_args=[_z(2, 3), [_z(3)]],
-    precedence=5,
-)
-NORMALIZATION = GraphPattern(
-    name="normalization",
-    tag_primitive=tags.scale_and_shift,
-    compute_func=lambda centered, inv_std, p: centered * (p[0] * inv_std) + p[1],
-    parameters_extractor_func=_scale_and_shift_extractor(True, True),
-    example_args=[_z(2, 3), _z(2, 1), [_z(1, 3), _z(1, 3)]],
-    precedence=25,
-    tag_inputs_func=lambda centered, inv_std: (centered * inv_std,),
-)
-NORMALIZATION_SCALE = GraphPattern(
-    name="normalization_scale",
-    tag_primitive=tags.scale_and_shift,
-    compute_func=lambda centered, inv_std, p: centered * (p[0] * inv_std),
-    parameters_extractor_func=_scale_and_shift_extractor(True, False),
-    example_args=[_z(2, 3), _z(2, 1), [_z(1, 3)]],
-    precedence=15,
-    tag_inputs_func=lambda centered, inv_std: (centered * inv_std,),
-)
 EMBEDDING = GraphPattern(
     name="embedding",
     tag_primitive=tags.embedding,
@@ -393,14 +320,6 @@ EMBEDDING = GraphPattern(
     example_args=[np.zeros((2, 3, 1), np.int32), [_z(5, 4)]],
     precedence=10,
     tag_inputs_func=lambda indices: (indices[..., 0],),
-)
-SHIFT = GraphPattern(
-    name="shift",
-    tag_primitive=tags.scale_and_shift,
-    compute_func=lambda x, p: x + p[0],
-    parameters_extractor_func=_scale_and_shift_extractor(False, True),
-    example_args=[_z(2, 3), [_z(3)]],
-    precedence=0,
 )
 
 #: The built-in patterns, in precedence order.
@@ -411,18 +330,30 @@ DEFAULT_GRAPH_PATTERNS: tuple[GraphPattern, ...] = (
     SHARED_INPUT_STACKED_DENSE_WITH_BIAS,
     WEIGHT_FIRST_SHARED_INPUT_STACKED_DENSE_WITH_BIAS,
     CONV_WITH_BIAS,
-    NORMALIZATION,
-    OFFSET_SCALE_AND_SHIFT,
-    SCALE_AND_SHIFT,
-    NORMALIZATION_SCALE,
+    S.NORMALIZATION,
+    S.OFFSET_NORMALIZATION,
+    S.STD_NORMALIZATION,
+    S.OFFSET_STD_NORMALIZATION,
+    S.SCALED_STD_NORMALIZATION,
+    S.OFFSET_SCALED_STD_NORMALIZATION,
+    S.KERAS_NORMALIZATION,
+    S.OFFSET_SCALE_AND_SHIFT,
+    S.SCALE_AND_SHIFT,
+    S.NORMALIZATION_SCALE,
+    S.OFFSET_NORMALIZATION_SCALE,
+    S.STD_NORMALIZATION_SCALE,
+    S.OFFSET_STD_NORMALIZATION_SCALE,
+    S.SCALED_STD_NORMALIZATION_SCALE,
+    S.OFFSET_SCALED_STD_NORMALIZATION_SCALE,
+    S.KERAS_NORMALIZATION_SCALE,
     WEIGHT_FIRST_DENSE,
     WEIGHT_FIRST_SHARED_INPUT_STACKED_DENSE,
     TRANSPOSED_WEIGHT_DENSE,
     DENSE,
     CONV,
     EMBEDDING,
-    OFFSET_SCALE,
-    EXPANDED_OFFSET_SCALE,
-    SCALE,
-    SHIFT,
+    S.OFFSET_SCALE,
+    S.SCALE,
+    S.SHIFT,
+    S.BROADCAST_PARAMETER,
 )

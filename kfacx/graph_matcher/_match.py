@@ -4,7 +4,13 @@ A match is a structural unification, backwards from the pattern's output
 equation: primitives must agree (their params may differ — shapes, axes and
 strides are read by the pattern's parameter extractor), pattern inputs bind to
 any value, and pattern parameters bind to parameter leaves of the model, seen
-through shape-only operations (broadcasts, reshapes, casts). Every structural
+through shape-only operations (broadcasts, reshapes, casts). Shape-only
+operations of the model between two of the pattern's operations (the rank
+promotion of ``(1 + g) / std`` when ``g`` has fewer axes than ``std``, a cast)
+are matched along, so a pattern needs no variant per place where broadcasting
+happens (write patterns whose example arguments have one rank). A pattern without
+inputs (a parameter used as it is, e.g. tiled over the batch) matches the end of
+such a chain instead (`GraphPattern`). Every structural
 match is then verified numerically: the matched equations and the tag's
 ``compute`` must give the same output on random values, so a match never
 changes what the model computes nor mislabels a layer (`kfacx.graph_matcher._verify`).
@@ -55,15 +61,21 @@ class Match:
 
 
 class _Graph:
-    """Producers, users and parameter origins of one (open) jaxpr."""
+    """Producers, users and parameter origins of one (open) jaxpr; its equations by
+    primitive name; the leading sizes the batch's arrays have (None: unknown); the match
+    that owns each claimed equation (by id)."""
 
-    def __init__(self, jaxpr: jex.core.Jaxpr, origins: Sequence[Any]):
+    def __init__(self, jaxpr: jex.core.Jaxpr, origins: Sequence[Any], batch_sizes=None):
         self.jaxpr = jaxpr
+        self.batch_sizes = None if batch_sizes is None else frozenset(batch_sizes)
         self.origin = dict(zip(jaxpr.invars, origins, strict=True))
         self.order = {id(e): i for i, e in enumerate(jaxpr.eqns)}
         self.producer: dict[Any, Any] = {}
         self.users: dict[Any, list[Any]] = {}
+        self.by_primitive: dict[str, list[Any]] = {}
+        self.owner: dict[int, Match] = {}
         for eqn in jaxpr.eqns:
+            self.by_primitive.setdefault(eqn.primitive.name, []).append(eqn)
             for v in eqn.outvars:
                 self.producer[v] = eqn
             for v in eqn.invars:
@@ -84,14 +96,43 @@ class _Graph:
                 return None
         return var, chain
 
+    def candidates(self, pattern: GraphPattern) -> list[Any]:
+        """The equations that can compute the pattern's output, in order (the end of a
+        shape-only chain for a pattern without inputs)."""
+        if pattern.num_inputs:
+            return self.by_primitive.get(pattern.output_primitive, [])
+        eqns = [e for name in SHAPE_ONLY for e in self.by_primitive.get(name, [])]
+        return sorted(eqns, key=lambda e: self.order[id(e)])
+
+    def chain_end(self, var) -> bool:
+        """Whether ``var`` is used by something other than a shape-only operation."""
+        if var in self.outvars:
+            return True
+        return any(u.primitive.name not in SHAPE_ONLY for u in self.users.get(var, []))
+
+    def used_as_parameter(self, var, leaf) -> bool:
+        """Whether a match reads ``var`` as its parameter ``leaf`` (a broadcast bias)."""
+        owners = (self.owner.get(id(u)) for u in self.users.get(var, []))
+        return any(m is not None and leaf in m.param_vars for m in owners)
+
 
 @dataclasses.dataclass
 class _State:
+    """Pattern inputs and parameters -> model values; pattern equations (by id) -> model
+    equations; ``bridges``: the model's shape-only equations matched along."""
+
     binding: dict[Any, Any]
     matched: dict[int, Any]
+    bridges: list[Any] = dataclasses.field(default_factory=list)
 
     def copy(self) -> _State:
-        return _State(dict(self.binding), dict(self.matched))
+        return _State(dict(self.binding), dict(self.matched), list(self.bridges))
+
+    def eqns(self) -> list[Any]:
+        """The matched model equations (bridges included), each once."""
+        out = {id(e): e for e in self.matched.values()}
+        out.update((id(e), e) for e in self.bridges)
+        return list(out.values())
 
 
 class _Unifier:
@@ -133,7 +174,9 @@ class _Unifier:
         p_eqn, t_eqn = self.producer.get(pv), self.graph.producer.get(tv)
         if p_eqn is None or t_eqn is None or id(t_eqn) in self.claimed:
             return None
-        if p_eqn.primitive.name != t_eqn.primitive.name or len(p_eqn.invars) != len(t_eqn.invars):
+        if p_eqn.primitive.name != t_eqn.primitive.name:
+            return self._bridge(pv, t_eqn, state)
+        if len(p_eqn.invars) != len(t_eqn.invars):
             return None
         if p_eqn.outvars.index(pv) != t_eqn.outvars.index(tv):
             return None
@@ -148,6 +191,14 @@ class _Unifier:
             if result is not None:
                 return result
         return None
+
+    def _bridge(self, pv, t_eqn, state: _State) -> _State | None:
+        """Matches ``pv`` to the operand of ``t_eqn``, a shape-only operation of the model
+        the pattern does not have (a broadcast, reshape or cast), matched along."""
+        if t_eqn.primitive.name not in SHAPE_ONLY or isinstance(t_eqn.invars[0], jex.core.Literal):
+            return None
+        state.bridges.append(t_eqn)
+        return self.unify(pv, t_eqn.invars[0], state)
 
     def _unify_operands(self, p_invars, t_invars, state: _State) -> _State | None:
         for pi, ti in zip(p_invars, t_invars, strict=True):
@@ -223,7 +274,10 @@ def _try_match(pattern, graph, t_eqn, claimed, claims, notes) -> Match | None:
 
 def _structural_match(pattern, graph, t_eqn, claimed) -> Match | None:
     """The match by unification (before the numerical check), or None."""
-    bound = _unify_output(pattern, graph, t_eqn, claimed)
+    if pattern.num_inputs:
+        bound = _unify_output(pattern, graph, t_eqn, claimed)
+    else:
+        bound = _parameter_chain(graph, t_eqn, claimed)
     if bound is None:
         return None
     inputs, params, eqns, tv = bound
@@ -255,8 +309,28 @@ def _unify_output(pattern, graph, t_eqn, claimed) -> tuple | None:
     params = [state.binding.get(v) for v in p.invars[pattern.num_inputs :]]
     if any(v is None for v in inputs + params) or any(v in params for v in inputs):
         return None
-    eqns = sorted(state.matched.values(), key=lambda e: graph.order[id(e)])
+    eqns = sorted(state.eqns(), key=lambda e: graph.order[id(e)])
     return inputs, params, eqns, tv
+
+
+def _parameter_chain(graph, t_eqn, claimed) -> tuple | None:
+    """A pattern without inputs, at ``t_eqn``: ``([], [leaf var], chain, output_var)`` if
+    ``t_eqn`` ends a chain of unclaimed shape-only operations from a parameter leaf, its
+    result has the batch on its leading axis and no match reads it as that parameter (a
+    bias is broadcast before it is added), else None."""
+    if t_eqn.primitive.name not in SHAPE_ONLY or len(t_eqn.outvars) != 1:
+        return None
+    tv = t_eqn.outvars[0]
+    sizes, shape = graph.batch_sizes, tv.aval.shape
+    if not shape or (sizes is not None and shape[0] not in sizes) or not graph.chain_end(tv):
+        return None
+    found = graph.param_leaf(tv)
+    if found is None or any(id(e) in claimed for e in found[1]):
+        return None
+    leaf, chain = found
+    if graph.used_as_parameter(tv, leaf):
+        return None
+    return [], [leaf], sorted(chain, key=lambda e: graph.order[id(e)]), tv
 
 
 def _extract_meta(pattern, eqns) -> tuple[dict, tuple[int, ...] | None] | None:
@@ -308,6 +382,8 @@ def _claims_allow(match: Match, claims: dict, notes: list) -> bool:
     others = {claims[leaf] for leaf in leaves if claims.get(leaf, key) != key}
     shapes = dict(zip(leaves, (tuple(v.aval.shape) for v in match.param_vars), strict=True))
     if others and not all(can_tie(key, other, shapes) for other in others):
+        if not pattern.num_inputs:
+            return False  # A parameter-only layer is the reading of last resort: no note.
         notes.append(
             (
                 f"a `{pattern.name}` layer reuses parameters of a different kind of layer; "
@@ -327,6 +403,7 @@ def find_matches(
     patterns: Sequence[GraphPattern],
     claims: dict[int, tuple],
     notes: list[tuple[str, tuple[int, ...]]] | None = None,
+    batch_sizes: Sequence[int] | None = None,
 ) -> list[Match]:
     """All non-overlapping matches in one jaxpr (not its sub-jaxprs).
 
@@ -335,9 +412,11 @@ def find_matches(
     that owns them: a new match may only reuse parameters as the same kind of
     layer (tied weights); ``claims`` is updated with the new matches. Parameter
     reuse that cannot be served is appended to ``notes`` as ``(text, leaves)``.
+    ``batch_sizes``: the leading sizes of the batch's arrays, which the result of a
+    pattern without inputs must have first (None: any).
     """
     notes = [] if notes is None else notes
-    graph = _Graph(jaxpr, origins)
+    graph = _Graph(jaxpr, origins, batch_sizes)
     claimed: set[int] = set()
     matches: list[Match] = []
     for precedence in sorted({p.precedence for p in patterns}, reverse=True):
@@ -348,6 +427,7 @@ def find_matches(
             for match in pattern_matches:
                 matches.append(match)
                 claimed.update(id(e) for e in match.eqns)
+                graph.owner.update((id(e), match) for e in match.eqns)
                 key = claim_key(
                     match.pattern.tag_primitive.name, match.param_leaves, match.meta, match.stacked
                 )
@@ -358,7 +438,7 @@ def find_matches(
 def _match_pattern(pattern, graph: _Graph, claimed: set[int], claims: dict, notes) -> list[Match]:
     """All matches of one pattern, given what higher-precedence patterns claimed."""
     out = []
-    for eqn in graph.jaxpr.eqns:
+    for eqn in graph.candidates(pattern):
         if id(eqn) in claimed:
             continue
         match = _try_match(pattern, graph, eqn, claimed, claims, notes)

@@ -36,7 +36,14 @@ class GraphPattern:
       parameters_extractor_func: reads the tag's static metadata (strides,
         contraction axes...) from the matched equations; it may raise
         ValueError or return None to reject a match.
-      example_args: ``[*inputs, params]`` example values to trace with.
+      example_args: ``[*inputs, params]`` example values to trace with. A pattern
+        without inputs (``[params]``, one parameter) is a *parameter-only* layer: a
+        parameter used as it is, through shape-only operations (reshapes,
+        broadcasts, tiles, casts), e.g. a learned query tiled over the batch. It
+        matches the end of every such chain from a parameter leaf whose result has
+        the batch on its leading axis (a leading size of one of the batch's arrays),
+        if no other layer claimed the parameter; ``compute_func`` only documents it
+        and its extractor reads the chain's equations.
       precedence: larger numbers are matched first (a pattern that contains
         another, e.g. dense-with-bias vs dense, needs the larger number).
       tag_inputs_func: optional ``f(*inputs) -> tuple`` computing the tag's
@@ -47,6 +54,9 @@ class GraphPattern:
       tag_inputs_from_params: whether ``tag_inputs_func`` also takes the matched
         parameters, as a last argument (a list): ``f(*inputs, params)`` (e.g. an
         input shared by the slices of a stacked layer, broadcast to their number).
+      tag_inputs_from_output: whether ``tag_inputs_func`` also takes the matched
+        output, after everything else: ``f(*inputs, [params,] output)`` (e.g. the
+        zeros a parameter-only layer adds its parameter to).
 
     Example::
 
@@ -66,6 +76,7 @@ class GraphPattern:
     precedence: int = 0
     tag_inputs_func: Callable[..., tuple] | None = None
     tag_inputs_from_params: bool = False
+    tag_inputs_from_output: bool = False
 
     def __post_init__(self):
         if not isinstance(self.tag_primitive, LayerTag):
@@ -73,10 +84,16 @@ class GraphPattern:
                 f"GraphPattern {self.name!r}: tag_primitive must be a kfacx.tags.LayerTag, "
                 f"got {self.tag_primitive!r}."
             )
-        if len(self.example_args) < 2 or not isinstance(self.example_args[-1], (list, tuple)):
+        if not self.example_args or not isinstance(self.example_args[-1], (list, tuple)):
             raise ValueError(
                 f"GraphPattern {self.name!r}: example_args must be [*inputs, [params...]], "
                 f"got {self.example_args!r}."
+            )
+        if self.num_inputs == 0 and self.num_params != 1:
+            raise ValueError(
+                f"GraphPattern {self.name!r}: a pattern without inputs is one parameter used "
+                f"through shape-only operations; example_args must be [[param]], got "
+                f"{self.num_params} parameters."
             )
 
     @property
@@ -113,13 +130,26 @@ class GraphPattern:
             )
         return closed.jaxpr
 
-    def tag_inputs(self, inputs: Sequence[Any], params: Sequence[Any] = ()) -> tuple:
-        """The tag's inputs computed from the matched pattern inputs (and parameters)."""
+    @functools.cached_property
+    def output_primitive(self) -> str | None:
+        """The name of the primitive that computes the output (None for a pattern
+        without inputs: any shape-only operation ends its chain)."""
+        if not self.num_inputs:
+            return None
+        out = self.jaxpr.outvars[0]
+        return next((e.primitive.name for e in self.jaxpr.eqns if out in e.outvars), None)
+
+    def tag_inputs(self, inputs: Sequence[Any], params: Sequence[Any] = (), output=None) -> tuple:
+        """The tag's inputs computed from the matched pattern inputs (and parameters, and
+        output: see ``tag_inputs_from_params`` and ``tag_inputs_from_output``)."""
         if self.tag_inputs_func is None:
             return tuple(inputs)
+        args = list(inputs)
         if self.tag_inputs_from_params:
-            return tuple(self.tag_inputs_func(*inputs, list(params)))
-        return tuple(self.tag_inputs_func(*inputs))
+            args.append(list(params))
+        if self.tag_inputs_from_output:
+            args.append(output)
+        return tuple(self.tag_inputs_func(*args))
 
     def __repr__(self) -> str:
         return f"GraphPattern({self.name!r}, tag={self.tag_primitive.name!r})"

@@ -22,9 +22,11 @@ if TYPE_CHECKING:
     from kfacx.graph_matcher._match import Match, _Graph
 
 #: Operations that only change an array's shape or dtype: followed from a
-#: parameter leaf to its uses (a broadcast bias is still the bias).
+#: parameter leaf to its uses (a broadcast bias is still the bias; a tile repeats it,
+#: and the numerical check rejects a match whose tag reads it otherwise).
 SHAPE_ONLY = {
     "broadcast_in_dim",
+    "tile",
     "reshape",
     "convert_element_type",
     "squeeze",
@@ -173,7 +175,7 @@ def _check_numerically(match: Match, todo) -> bool:
                 params,
                 match.output_var,
             )
-            tag_inputs = match.pattern.tag_inputs(inputs, params)
+            tag_inputs = match.pattern.tag_inputs(inputs, params, want)
             (got,) = compute(tag_inputs, tuple(params), **match.meta)
             if match.output_permutation is not None:
                 got = jax.numpy.transpose(got, match.output_permutation)
