@@ -17,6 +17,7 @@ import numpy as np
 
 from kfacx import _jaxpr, tags
 from kfacx._paths import checked_param_paths, param_origins
+from kfacx.graph_matcher import _views
 from kfacx.graph_matcher._defaults import DEFAULT_GRAPH_PATTERNS
 from kfacx.graph_matcher._match import MANUAL, AmbiguousPatternsError, Match, find_matches
 from kfacx.graph_matcher._pattern import GraphPattern
@@ -309,10 +310,13 @@ def _detect(jaxpr, origins, patterns: list[GraphPattern], paths: list[str]):
       ValueError: if two patterns of equal precedence match one layer.
     """
     raw_notes: list[tuple[str, tuple[int, ...]]] = []
+    claims = _manual_claims(jaxpr, origins)
     try:
-        plan = _plan(jaxpr, origins, patterns, _manual_claims(jaxpr, origins), raw_notes)
+        plan = _plan(jaxpr, origins, patterns, dict(claims), raw_notes)
     except AmbiguousPatternsError as e:
         raise ValueError(f"{e} Parameters: {[paths[i] for i in e.leaves]}.") from e
+    served = set(claims) | {leaf for m in plan.all_matches() for leaf in m.param_leaves}
+    raw_notes = _views.unserved_leaves(raw_notes, served)
     notes = dict.fromkeys(f"{text}: {[paths[i] for i in leaves]}" for text, leaves in raw_notes)
     return plan, tuple(notes)
 
@@ -324,7 +328,8 @@ def _sources(manual, plan: _Plan) -> dict[int, str]:
     for m in plan.all_matches():
         for leaf in m.param_leaves:
             names = sources[leaf].split("+") if sources.get(leaf, "manual") != "manual" else []
-            sources[leaf] = "+".join(dict.fromkeys([*names, m.pattern.name]))
+            name = _views.source_name(m.pattern.name, m.meta)
+            sources[leaf] = "+".join(dict.fromkeys([*names, name]))
     return sources
 
 

@@ -19,6 +19,8 @@ from typing import Any
 import jax.extend as jex
 
 from kfacx import _jaxpr
+from kfacx import _views as views_meta
+from kfacx.graph_matcher import _views
 from kfacx.graph_matcher._pattern import OUTPUT_PERMUTATION, GraphPattern
 from kfacx.graph_matcher._verify import SHAPE_ONLY, verified
 
@@ -41,6 +43,9 @@ class Match:
         layer, e.g. `hk.layer_stack`) rather than whole parameter leaves.
       output_permutation: None, or the permutation that takes the tag's output
         layout to the matched output's (`kfacx.graph_matcher._pattern.OUTPUT_PERMUTATION`).
+      view_eqns: the equations that concatenate parameter leaves into the layer's
+        parameters, when they are views (`kfacx.graph_matcher._views`: ``meta`` then
+        holds the view expressions, and ``param_vars`` the leaves).
     """
 
     pattern: GraphPattern
@@ -52,6 +57,7 @@ class Match:
     meta: dict[str, Any]
     stacked: bool = False
     output_permutation: tuple[int, ...] | None = None
+    view_eqns: list[Any] = dataclasses.field(default_factory=list)
 
 
 class _Graph:
@@ -70,19 +76,6 @@ class _Graph:
                 if not isinstance(v, jex.core.Literal):
                     self.users.setdefault(v, []).append(eqn)
         self.outvars = {v for v in jaxpr.outvars if not isinstance(v, jex.core.Literal)}
-
-    def param_leaf(self, var) -> tuple[Any, list[Any]] | None:
-        """Follows shape-only producers back to a parameter leaf: ``(leaf_var, chain)``."""
-        chain = []
-        while self.origin.get(var) is None:
-            eqn = self.producer.get(var)
-            if eqn is None or eqn.primitive.name not in SHAPE_ONLY:
-                return None
-            chain.append(eqn)
-            var = eqn.invars[0]
-            if isinstance(var, jex.core.Literal):
-                return None
-        return var, chain
 
 
 @dataclasses.dataclass
@@ -120,12 +113,12 @@ class _Unifier:
             return state
         param = self._pattern_param(pv)
         if param is not None:
-            found = self.graph.param_leaf(tv)
+            found = _views.resolve(self.graph, tv)  # a leaf, or a concatenation of leaves
             if found is None:
                 return None
             if param in state.binding:
-                return state if state.binding[param] is found[0] else None
-            state.binding[param] = found[0]
+                return state if _views.same_source(state.binding[param], found) else None
+            state.binding[param] = found
             return state
         return self._unify_eqn(pv, tv, state)
 
@@ -198,6 +191,8 @@ def can_tie(key: tuple, other: tuple, shapes: dict[int, tuple[int, ...]]) -> boo
     shared = set(key[1]) & set(other[1])
     if len(shared) != 1 or key[3] or other[3]:
         return False
+    if any(views_meta.VIEWS in dict(k[2]) for k in (key, other)):
+        return False  # (a tied block serves whole weights)
     (leaf,) = shared
     return (
         key[0] in TIEABLE_TAGS
@@ -227,6 +222,8 @@ def _structural_match(pattern, graph, t_eqn, claimed) -> Match | None:
     if bound is None:
         return None
     inputs, params, eqns, tv = bound
+    flat = _views.flatten(params)  # parameters concatenated from leaves
+    params, exprs, view_eqns = flat if flat is not None else (params, None, [])
     origins = [graph.origin[v] for v in params]
     leaves = [_jaxpr.leaf_origin(o) for o in origins]
     if len(set(leaves)) != len(leaves) or _internal_values_escape(graph, eqns, tv):
@@ -235,8 +232,14 @@ def _structural_match(pattern, graph, t_eqn, claimed) -> Match | None:
     if extracted is None:
         return None
     meta, permutation = extracted
+    if exprs is not None:
+        if not _views.servable(pattern, meta, exprs, len(params)):
+            return None
+        meta[views_meta.VIEWS] = exprs
     stacked = any(_jaxpr.slice_levels(o) for o in origins)
-    return Match(pattern, eqns, inputs, params, leaves, tv, meta, stacked, permutation)
+    match = Match(pattern, eqns, inputs, params, leaves, tv, meta, stacked, permutation)
+    match.view_eqns = view_eqns
+    return match
 
 
 def _unify_output(pattern, graph, t_eqn, claimed) -> tuple | None:
@@ -338,6 +341,7 @@ def find_matches(
     """
     notes = [] if notes is None else notes
     graph = _Graph(jaxpr, origins)
+    _views.mixed_concatenation_notes(graph, notes)
     claimed: set[int] = set()
     matches: list[Match] = []
     for precedence in sorted({p.precedence for p in patterns}, reverse=True):
