@@ -1,7 +1,10 @@
-"""Parameter views: a layer's parameter built from parameter leaves by concatenation.
+"""Parameter views: a layer's parameter built from parameter leaves by concatenation and
+slicing.
 
 A fused-gate LSTM multiplies once by ``concatenate([w_i, w_f, w_g, w_o], -1)``: one
-dense layer whose weight is not a leaf of the parameters but a *view* of four leaves.
+dense layer whose weight is not a leaf of the parameters but a *view* of four leaves;
+``hk.GRU`` splits one leaf ``w_h`` into column slices used by two dense layers, each
+a view of part of it.
 Its layer tag takes the leaves as parameter operands and carries, under the metadata
 key `VIEWS`, one *view expression* per parameter of the layer (``(w, b)`` for a dense
 layer) that builds it from the operands. An expression is a nested tuple (static,
@@ -14,7 +17,10 @@ hashable, as tag metadata must be):
 
 The layer's block is built for the parameters the expressions give (`effective`), and
 carried to the leaves by the view's gather (`effective`) and its transpose (`scatter`);
-see `kfacx.blocks.ViewBlock`. Nothing here imports the rest of kfacx.
+see `kfacx.blocks.ViewBlock` and `kfacx.blocks.SlicedBlock`. Which entries of the
+leaves a view reads is a list of *boxes* (`read_boxes`), which tells whether layers
+reading slices of one leaf read disjoint parts of it and together all of it. Nothing
+here imports the rest of kfacx.
 """
 
 from __future__ import annotations
@@ -145,3 +151,60 @@ def describe(expr: Expr, names: Sequence[str]) -> str:
         cut = ", ".join(f"{s}:{e}" for s, e in zip(expr[1], expr[2], strict=True))
         return f"{describe(expr[3], names)}[{cut}]"
     return f"concat[{expr[1]}]({', '.join(describe(e, names) for e in expr[2])})"
+
+
+#: A box of operand entries: ``(operand, starts, limits)``; ``starts`` and ``limits`` are
+#: None for the whole operand.
+Box = tuple
+
+
+def read_boxes(expr: Expr) -> list[Box] | None:
+    """The boxes of operand entries ``expr`` reads, one per piece; None when a slice is
+    taken of something else than an operand (a reshaped or concatenated one)."""
+    kind = expr[0]
+    if kind == "leaf":
+        return [(expr[1], None, None)]
+    if kind == "reshape":
+        return read_boxes(expr[2])
+    if kind == "slice":
+        inner = expr[3]
+        return [(inner[1], tuple(expr[1]), tuple(expr[2]))] if inner[0] == "leaf" else None
+    parts = [read_boxes(e) for e in expr[2]]
+    return None if any(p is None for p in parts) else [b for p in parts for b in p]
+
+
+def all_boxes(views: Sequence[Expr]) -> list[Box] | None:
+    """The boxes all ``views`` read (`read_boxes`), or None."""
+    parts = [read_boxes(e) for e in views]
+    return None if any(p is None for p in parts) else [b for p in parts for b in p]
+
+
+def overlap(a: Box, b: Box) -> bool:
+    """Whether two boxes share an entry."""
+    if a[0] != b[0]:
+        return False
+    if a[1] is None or b[1] is None:
+        return True
+    return all(max(s, t) < min(e, f) for s, e, t, f in zip(a[1], a[2], b[1], b[2], strict=True))
+
+
+def disjoint(boxes: Sequence[Box]) -> bool:
+    """Whether no two of ``boxes`` share an entry."""
+    return not any(overlap(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1 :])
+
+
+def covers(boxes: Sequence[Box], operand: Any, operand_shape: Sequence[int]) -> bool:
+    """Whether disjoint ``boxes`` read every entry of ``operand`` (of ``operand_shape``)."""
+    size = 0
+    for b in boxes:
+        if b[0] != operand:
+            continue
+        if b[1] is None:
+            return True
+        size += math.prod(e - s for s, e in zip(b[1], b[2], strict=True))
+    return size == math.prod(operand_shape)
+
+
+def renumber_boxes(boxes: Sequence[Box], operands: Sequence[Any]) -> list[Box]:
+    """``boxes`` with operand positions replaced by ``operands[position]``."""
+    return [(operands[b[0]], *b[1:]) for b in boxes]

@@ -10,6 +10,9 @@ fused reference (`fused_loss`), whose loss is the same function.
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 import flax.linen as nn
 import haiku as hk
 import jax
@@ -19,6 +22,7 @@ import numpy as np
 import kfacx
 
 B, T, D, H = 3, 3, 2, 3
+DAMPING = 0.1
 GATES = ("i", "f", "g", "o")
 
 
@@ -332,3 +336,123 @@ def lm_loss(p, data):
     logits = jnp.swapaxes(hs, 0, 1) @ p["wo"] + p["bo"][None, None]
     kfacx.register_softmax_cross_entropy_loss(logits, ys)
     return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), ys[..., None], -1))
+
+
+# ----------------------------------------------------------------------------- sliced weights
+
+
+def haiku_gru():
+    """``hk.GRU``: ``w_h`` and ``b`` split into the update/reset and candidate slices."""
+
+    def forward(xs):
+        core = hk.GRU(H, w_h_init=hk.initializers.RandomNormal(0.6))
+        hs, _ = hk.dynamic_unroll(core, jnp.swapaxes(xs, 0, 1), core.initial_state(xs.shape[0]))
+        return jnp.swapaxes(hs, 0, 1)
+
+    return hk.without_apply_rng(hk.transform(forward))
+
+
+def gru_reference_loss(p, data):
+    """`haiku_gru` with a leaf per slice: ``w_h_zr``, ``w_h_a``, ``b_zr``, ``b_a``."""
+    xs, targets = data
+
+    def step(state, x):
+        zr_x, a_x = jnp.split(x @ p["w_i"], [2 * H], axis=-1)
+        zr_h = state @ p["w_h_zr"]
+        zr = zr_x + zr_h + jnp.broadcast_to(p["b_zr"], zr_h.shape)
+        z, r = jnp.split(jax.nn.sigmoid(zr), 2, axis=-1)
+        a_h = (r * state) @ p["w_h_a"]
+        a = jnp.tanh(a_x + a_h + jnp.broadcast_to(p["b_a"], a_h.shape))
+        state = (1 - z) * state + z * a
+        return state, state
+
+    zeros = jnp.zeros((xs.shape[0], H), xs.dtype)
+    _, hs = jax.lax.scan(step, zeros, jnp.swapaxes(xs, 0, 1))
+    return squared_loss(jnp.swapaxes(hs, 0, 1), targets)
+
+
+def gru_to_reference(p):
+    q = p["gru"]
+    return dict(
+        w_i=q["w_i"],
+        w_h_zr=q["w_h"][:, : 2 * H],
+        w_h_a=q["w_h"][:, 2 * H :],
+        b_zr=q["b"][: 2 * H],
+        b_a=q["b"][2 * H :],
+    )
+
+
+def init_sliced(seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return dict(w=normal(rng, D + H, 4 * H), v=normal(rng, H, 3 * H))
+
+
+def sliced_loss(p, data):
+    """Slices of leaves read by different layers, in a scan: ``w``'s rows by the input
+    and the recurrent product (``w[:D]``, ``w[D:]``: ``slice``), ``v``'s columns
+    (``jnp.split``) by one layer, and by another as ``concatenate([v_b, v_c], 0)``."""
+    return _sliced(lambda: (p["w"][:D], p["w"][D:]), lambda: jnp.split(p["v"], 3, axis=1), data)
+
+
+def sliced_reference(p, data):
+    return _sliced(lambda: (p["w_x"], p["w_h"]), lambda: (p["v_a"], p["v_b"], p["v_c"]), data)
+
+
+def sliced_to_reference(p):
+    w, v = p["w"], p["v"]
+    return dict(w_x=w[:D], w_h=w[D:], v_a=v[:, :H], v_b=v[:, H : 2 * H], v_c=v[:, 2 * H :])
+
+
+def _sliced(w_parts, v_parts, data):
+    xs, targets = data
+
+    def step(h, x):
+        (w_x, w_h), (v_a, v_b, v_c) = w_parts(), v_parts()
+        g = jnp.tanh(x @ w_x + h @ w_h)
+        h = jnp.tanh(g[:, :H] @ v_a + cat([g[:, H : 2 * H], h]) @ cat([v_b, v_c], 0))
+        return h + 0.1 * g[:, 3 * H :], h
+
+    zeros = jnp.zeros((xs.shape[0], H), xs.dtype)
+    _, hs = jax.lax.scan(step, zeros, jnp.swapaxes(xs, 0, 1))
+    return squared_loss(jnp.swapaxes(hs, 0, 1), targets)
+
+
+# ----------------------------------------------------------------------------- comparisons
+
+
+def positions(params, to_fused) -> np.ndarray:
+    """``perm`` with ``reference_flat = flat[perm]`` (pytree-leaf order, row-major)."""
+    leaves, tree = jax.tree_util.tree_flatten(params)
+    offsets = np.cumsum([0] + [np.size(leaf) for leaf in leaves])
+    index = [
+        np.arange(o, o + np.size(a)).reshape(np.shape(a))
+        for o, a in zip(offsets, leaves, strict=False)
+    ]
+    fused = to_fused(jax.tree_util.tree_unflatten(tree, index))
+    return np.concatenate([np.ravel(a) for a in jax.tree_util.tree_leaves(fused)])
+
+
+def estimate(loss, args, vector):
+    """One jitted program: one ``ggn_exact`` update, the dense matrix, and the damped
+    inverse products of ``vector`` (exact and factored damping). No warning allowed."""
+    est = kfacx.BlockDiagonalCurvature(
+        loss, default_estimation_mode="ggn_exact", exact_powers_to_cache=(-1.0,)
+    )
+
+    def run(args, vector):
+        state = est.init(KEY, args)
+        state = est.update_curvature_matrix_estimate(state, 0.0, 1.0, None, KEY, args)
+        state = est.update_cache(state, DAMPING)
+        inverse = functools.partial(est.multiply_inverse, state, vector, DAMPING)
+        return est.to_dense_matrix(state), inverse(exact_power=True, use_cached=True), inverse()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dense, exact, approx = jax.jit(run)(args, vector)
+    return est, np.asarray(dense), exact, approx
+
+
+def assert_close(got, want, rtol=1e-9):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape and np.abs(want).max() > 0
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * np.abs(want).max())

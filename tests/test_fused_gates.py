@@ -24,7 +24,6 @@ import pytest
 import kfacx
 
 KEY = jax.random.PRNGKey(0)
-DAMPING = 0.1
 VIEW_KF = "ViewBlock(DenseTwoKroneckerFactored)"
 
 
@@ -76,50 +75,12 @@ def problem(name: str):
     return loss, (params, data), _reference_loss(name), ref_args, to_fused
 
 
-def positions(params, to_fused) -> np.ndarray:
-    """``perm`` with ``reference_flat = flat[perm]`` (pytree-leaf order, row-major)."""
-    leaves, tree = jax.tree_util.tree_flatten(params)
-    offsets = np.cumsum([0] + [np.size(leaf) for leaf in leaves])
-    index = [
-        np.arange(o, o + np.size(a)).reshape(np.shape(a))
-        for o, a in zip(offsets, leaves, strict=False)
-    ]
-    fused = to_fused(jax.tree_util.tree_unflatten(tree, index))
-    return np.concatenate([np.ravel(a) for a in jax.tree_util.tree_leaves(fused)])
-
-
-def estimate(loss, args, vector):
-    """One jitted program: one ``ggn_exact`` update, the dense matrix, and the damped
-    inverse products of ``vector`` (exact and factored damping). No warning allowed."""
-    est = kfacx.BlockDiagonalCurvature(
-        loss, default_estimation_mode="ggn_exact", exact_powers_to_cache=(-1.0,)
-    )
-
-    def run(args, vector):
-        state = est.init(KEY, args)
-        state = est.update_curvature_matrix_estimate(state, 0.0, 1.0, None, KEY, args)
-        state = est.update_cache(state, DAMPING)
-        inverse = functools.partial(est.multiply_inverse, state, vector, DAMPING)
-        return est.to_dense_matrix(state), inverse(exact_power=True, use_cached=True), inverse()
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        dense, exact, approx = jax.jit(run)(args, vector)
-    return est, np.asarray(dense), exact, approx
-
-
 @functools.cache
 def estimates(name: str):
     loss, args, ref_loss, ref_args, to_fused = problem(name)
     rng = np.random.default_rng(5)
     vector = jax.tree_util.tree_map(lambda a: jnp.asarray(rng.standard_normal(a.shape)), args[0])
-    return estimate(loss, args, vector), estimate(ref_loss, ref_args, to_fused(vector))
-
-
-def assert_close(got, want, rtol=1e-9):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    assert got.shape == want.shape and np.abs(want).max() > 0
-    np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * np.abs(want).max())
+    return R.estimate(loss, args, vector), R.estimate(ref_loss, ref_args, to_fused(vector))
 
 
 # ----------------------------------------------------------------------------- detection
@@ -128,7 +89,7 @@ def assert_close(got, want, rtol=1e-9):
 @pytest.mark.parametrize("name", sorted(FORMS))
 def test_every_gate_leaf_is_one_concatenated_dense_layer(name):
     loss, args, ref_loss, ref_args, _ = problem(name)
-    assert_close(loss(*args), ref_loss(*ref_args))  # the reference is the same function
+    R.assert_close(loss(*args), ref_loss(*ref_args))  # the reference is the same function
     est = estimates(name)[0][0]
     report = est.report
     assert report.unmatched == () and report.notes == ()
@@ -158,7 +119,7 @@ def test_tagged_function_has_the_same_value_and_gradient():
     assert report.unmatched == () and report.notes == ()
     got, want = jax.jit(jax.value_and_grad(tagged))(*args), jax.value_and_grad(loss)(*args)
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
-        assert_close(a, b)
+        R.assert_close(a, b)
 
 
 # ----------------------------------------------------------------------------- curvature
@@ -168,12 +129,12 @@ def test_tagged_function_has_the_same_value_and_gradient():
 def test_curvature_equals_the_fused_weight_layer(name):
     (_, dense, exact, approx), (_, ref_dense, ref_exact, ref_approx) = estimates(name)
     _, args, _, _, to_fused = problem(name)
-    perm = positions(args[0], to_fused)
-    assert_close(dense[np.ix_(perm, perm)], ref_dense)
+    perm = R.positions(args[0], to_fused)
+    R.assert_close(dense[np.ix_(perm, perm)], ref_dense)
     for got, want in ((exact, ref_exact), (approx, ref_approx)):
         got = jax.tree_util.tree_leaves(to_fused(got))
         for a, b in zip(got, jax.tree_util.tree_leaves(want), strict=True):
-            assert_close(a, b)
+            R.assert_close(a, b)
 
 
 # ----------------------------------------------------------------------------- training

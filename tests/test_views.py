@@ -58,3 +58,19 @@ def test_describe_and_metadata():
     meta = {"dimension_numbers": 1, _views.VIEWS: VIEWS}
     assert _views.views_of(meta) == VIEWS and _views.without_views(meta) == {"dimension_numbers": 1}
     assert _views.views_of({}) is None
+
+
+def test_boxes_of_slices():
+    left = ("slice", (0, 0), (2, 2), ("leaf", 0))
+    right = ("slice", (0, 2), (2, 5), ("leaf", 0))
+    both = ("concat", 0, (left, ("reshape", (2, 3), right)))
+    assert _views.read_boxes(both) == [(0, (0, 0), (2, 2)), (0, (0, 2), (2, 5))]
+    assert _views.read_boxes(("slice", (0,), (1,), ("reshape", (6,), ("leaf", 1)))) is None
+    boxes = _views.all_boxes((left, right))
+    assert _views.disjoint(boxes) and _views.covers(boxes, 0, (2, 5))
+    assert not _views.covers(boxes[:1], 0, (2, 5))
+    assert not _views.disjoint([*boxes, (0, (1, 1), (2, 3))])
+    assert _views.overlap((0, None, None), boxes[0]) and not _views.overlap(
+        (1, None, None), boxes[0]
+    )
+    assert _views.renumber_boxes(boxes[:1], ["w"]) == [("w", (0, 0), (2, 2))]

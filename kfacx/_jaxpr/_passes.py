@@ -22,10 +22,11 @@ from kfacx._jaxpr._interpret import (
 # loop-invariant residuals (e.g. the broadcast of a bias under `jax.value_and_grad`).
 _SHAPE_OPS = ("broadcast_in_dim", "reshape", "squeeze", "convert_element_type", "transpose")
 
-# Operations that build an operand of a scan from several inputs and that JAX hoists out
-# of its body alike: the concatenation of a fused-gate cell's weights from parameter
-# leaves (``concatenate([w_i, w_f, w_g, w_o], -1)``).
-_GATHER_OPS = ("concatenate",)
+# Operations that build an operand of a scan from parameter leaves and that JAX hoists
+# out of its body alike: the concatenation of a fused-gate cell's weights
+# (``concatenate([w_i, w_f, w_g, w_o], -1)``) and the slices of a weight split between
+# layers (``jnp.split(w_h, [2 * hidden], axis=1)`` in ``hk.GRU``).
+_GATHER_OPS = ("concatenate", "split", "slice")
 
 
 def sink_invariants(closed: jex.core.ClosedJaxpr) -> jex.core.ClosedJaxpr:
@@ -38,8 +39,9 @@ def sink_invariants(closed: jex.core.ClosedJaxpr) -> jex.core.ClosedJaxpr:
     would see ``x @ w + c`` with ``c`` not a parameter. Moving such chains of
     `_SHAPE_OPS` (from an input of the enclosing jaxpr) back into the body
     restores ``x @ w + broadcast(b)``; the result computes the same values.
-    A fused-gate cell's ``concatenate([w_i, w_f, w_g, w_o], -1)`` (`_GATHER_OPS`, with
-    the shape operations before it) moves in the same way, its inputs becoming the
+    A fused-gate cell's ``concatenate([w_i, w_f, w_g, w_o], -1)`` and ``hk.GRU``'s
+    ``jnp.split(w_h, ...)`` (`_GATHER_OPS`, with the shape operations before them) move
+    in the same way, its inputs becoming the
     scan's consts in its place. Nested scans and call bodies are rewritten too (the
     operands of a call are moved in only as chains of shape operations).
     """

@@ -7,7 +7,8 @@ vector. Abstract bases: `CurvatureBlock` and `TwoKroneckerFactored`.
 (`lax.scan` over the parameters, `hk.layer_stack`); `TiedKroneckerFactored`
 serves a 2-D weight used by dense and embedding layers of different kinds
 (tied input/output embeddings, ``w`` and ``w.T``); `ViewBlock` serves a layer whose
-parameters are concatenations of parameter leaves (fused-gate LSTMs). `block_norm` computes a
+parameters are concatenations of parameter leaves (fused-gate LSTMs), `SlicedBlock`
+parameters split into slices between layers (``hk.GRU``). `block_norm` computes a
 block's matrix norms (for scaling the damping per block).
 """
 
@@ -46,6 +47,7 @@ from kfacx.blocks._kronecker import (
 from kfacx.blocks._make import layer_block
 from kfacx.blocks._norms import NORM_TYPES, Factor, block_norm, check_norm_type, kronecker_pieces
 from kfacx.blocks._reduce import ConvTwoKroneckerFactoredReduce, DenseTwoKroneckerFactoredReduce
+from kfacx.blocks._sliced import SLICED_TAG, SlicedBlock
 from kfacx.blocks._stacked import StackedBlock
 from kfacx.blocks._tied import (
     TIED_TAG,
@@ -86,7 +88,9 @@ __all__ = [
     "Factor",
     "LayerInfo",
     "ScaleAndShiftDiagonal",
+    "SLICED_TAG",
     "ScaleAndShiftFull",
+    "SlicedBlock",
     "StackedBlock",
     "TIED_TAG",
     "TiedCache",

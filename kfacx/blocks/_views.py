@@ -61,30 +61,39 @@ class ViewBlock(CurvatureBlock):
         `kfacx._views.VIEWS` in its metadata and the leaves as its parameters.
       inner_ctor: the block class (or factory taking a `LayerInfo`) of the layer
         written with its effective parameters (`effective_layer`).
+      partial: whether the views may read slices of the leaves (each entry at most
+        once): the block of one slice of a `kfacx.blocks.SlicedBlock`, whose products
+        are zero on the entries it does not read.
 
     Vectors, the dense matrix and the parameter shapes are over the leaves (in the
     tag's order); the state, statistics and estimation data are the inner block's.
 
     Raises:
       ValueError: if the metadata holds no views, or the views do not read every entry
-        of every leaf exactly once.
+        of every leaf exactly once (with ``partial``: read an entry twice).
 
     Example::
 
       block = kfacx.blocks.ViewBlock(layer, kfacx.blocks.DenseTwoKroneckerFactored)
     """
 
-    def __init__(self, layer: LayerInfo, inner_ctor: Callable[[LayerInfo], CurvatureBlock]):
+    def __init__(
+        self,
+        layer: LayerInfo,
+        inner_ctor: Callable[[LayerInfo], CurvatureBlock],
+        partial: bool = False,
+    ):
         views = _views.views_of(layer.meta)
         if not views:
             raise ValueError(
                 f"ViewBlock({layer.name}): the layer's metadata has no {_views.VIEWS!r}; use "
                 "the inner block class directly."
             )
-        if not _views.is_permutation(views, len(layer.parameter_shapes)):
+        if not _reads_once(views, len(layer.parameter_shapes), partial):
             raise ValueError(
                 f"ViewBlock({layer.name}): the views {views} do not read every entry of the "
-                "parameters exactly once; a ViewBlock serves parameters concatenated whole."
+                "parameters exactly once; a ViewBlock serves parameters concatenated whole "
+                "(with partial=True, slices of them read once)."
             )
         super().__init__(layer)
         self.views = tuple(views)
@@ -105,7 +114,8 @@ class ViewBlock(CurvatureBlock):
         return _views.effective(tuple(vector), self.views)
 
     def scatter(self, parameters: Sequence[jax.Array]) -> Params:
-        """The inverse of `gather` (its transpose: the view is a permutation)."""
+        """The transpose of `gather` (its inverse when the view is a permutation; zeros on
+        the entries a partial view does not read)."""
         specs = [
             jax.ShapeDtypeStruct(s, d)
             for s, d in zip(self.parameters_shapes, self.layer.parameter_dtypes, strict=True)
@@ -208,6 +218,13 @@ class ViewBlock(CurvatureBlock):
         index = _views.positions(self.views, self.parameters_shapes)
         dense = jnp.zeros((self.dim, self.dim), inner.dtype)
         return dense.at[index[:, None], index[None, :]].set(inner)
+
+
+def _reads_once(views, num_operands: int, partial: bool) -> bool:
+    if not partial:
+        return _views.is_permutation(views, num_operands)
+    boxes = _views.all_boxes(views)
+    return boxes is not None and _views.disjoint(boxes)
 
 
 def view_ctor(

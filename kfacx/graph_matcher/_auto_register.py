@@ -45,6 +45,13 @@ class _Plan:
     matches: list[Match]
     children: dict[int, tuple[_Plan, ...]]
 
+    def drop(self, leaves: set[int]) -> None:
+        """Removes, here and below, the matches that use any of ``leaves``."""
+        self.matches = [m for m in self.matches if not leaves & set(m.param_leaves)]
+        for plans in self.children.values():
+            for plan in plans:
+                plan.drop(leaves)
+
     def all_matches(self) -> list[Match]:
         out = list(self.matches)
         for plans in self.children.values():
@@ -273,7 +280,9 @@ def auto_register_tags(
     paths = list(checked_param_paths(func_args[params_index]))
     origins = param_origins(func_args, params_index, len(closed.jaxpr.invars))
     manual = _tagged_leaves(closed.jaxpr, origins)
-    plan, notes = _detect(closed.jaxpr, origins, list(graph_patterns), paths)
+    invars = closed.jaxpr.invars
+    shapes = {o: v.aval.shape for o, v in zip(origins, invars, strict=True) if o is not None}
+    plan, notes = _detect(closed.jaxpr, origins, list(graph_patterns), paths, shapes)
     for note in notes:
         _warn(f"kfacx: {note}")
     sources = _sources(manual, plan)
@@ -302,9 +311,11 @@ def _traced_for_detection(func, func_args: tuple):
     return closed, jax.tree_util.tree_structure(out_shape)
 
 
-def _detect(jaxpr, origins, patterns: list[GraphPattern], paths: list[str]):
+def _detect(jaxpr, origins, patterns: list[GraphPattern], paths: list[str], shapes: dict):
     """``(plan, notes)``: the matches of ``patterns`` (parameters tagged by hand are kept
-    as they are) and the notes for the user, with parameter paths, without repeats.
+    as they are; layers reading slices of a parameter (``shapes``: leaf -> shape) of which
+    others are no layer's are dropped, `_drop_incomplete_slices`) and the notes for the
+    user, with parameter paths, without repeats.
 
     Raises:
       ValueError: if two patterns of equal precedence match one layer.
@@ -315,10 +326,26 @@ def _detect(jaxpr, origins, patterns: list[GraphPattern], paths: list[str]):
         plan = _plan(jaxpr, origins, patterns, dict(claims), raw_notes)
     except AmbiguousPatternsError as e:
         raise ValueError(f"{e} Parameters: {[paths[i] for i in e.leaves]}.") from e
+    _drop_incomplete_slices(plan, shapes, raw_notes)
     served = set(claims) | {leaf for m in plan.all_matches() for leaf in m.param_leaves}
     raw_notes = _views.unserved_leaves(raw_notes, served)
     notes = dict.fromkeys(f"{text}: {[paths[i] for i in leaves]}" for text, leaves in raw_notes)
     return plan, tuple(notes)
+
+
+def _drop_incomplete_slices(plan: _Plan, shapes: dict, notes: list) -> None:
+    """Drops the layers that read slices of a parameter some of whose entries are no
+    layer's (and, in turn, those that read slices of what that left incomplete), with a
+    note: a block serves whole parameters."""
+    dropped: set[int] = set()
+    while True:
+        partial = _views.incomplete_slices(plan.all_matches(), shapes) - dropped
+        if not partial:
+            break
+        plan.drop(partial)
+        dropped |= partial
+    if dropped:
+        notes.append((_views.PARTIAL_NOTE, tuple(sorted(dropped))))
 
 
 def _sources(manual, plan: _Plan) -> dict[int, str]:
@@ -408,8 +435,16 @@ def _tagged_leaves(jaxpr, origins) -> dict[int, tuple[str, int, int, int | None,
             if kind not in kinds[o]:
                 kinds[o].append(kind)
             if len(kinds[o]) > 1:
-                out[o][0] = f"tied({', '.join(name for name, _ in kinds[o])})"
+                out[o][0] = _joined_tag_name(kinds[o])
     return {o: tuple(v) for o, v in out.items()}
+
+
+def _joined_tag_name(kinds: list[tuple]) -> str:
+    """The report's tag of a layer whose parameters several kinds of tags use:
+    ``"sliced(dense_tag, dense_tag)"`` when each reads its own slices of them (e.g. the
+    column blocks of ``hk.GRU``'s ``w_h``), else ``"tied(embedding_tag, dense_tag)"``."""
+    names = ", ".join(name for name, _ in kinds)
+    return f"sliced({names})" if all(_views.sliced(dict(m)) for _, m in kinds) else f"tied({names})"
 
 
 def _use_summary(tag: tags.LayerTag, site: _jaxpr.TagSite) -> tuple[list, int, int | None, tuple]:

@@ -232,11 +232,11 @@ def _structural_match(pattern, graph, t_eqn, claimed) -> Match | None:
     if extracted is None:
         return None
     meta, permutation = extracted
+    stacked = any(_jaxpr.slice_levels(o) for o in origins)
     if exprs is not None:
-        if not _views.servable(pattern, meta, exprs, len(params)):
+        if not _views.servable(pattern, meta, exprs, len(params), stacked):
             return None
         meta[views_meta.VIEWS] = exprs
-    stacked = any(_jaxpr.slice_levels(o) for o in origins)
     match = Match(pattern, eqns, inputs, params, leaves, tv, meta, stacked, permutation)
     match.view_eqns = view_eqns
     return match
@@ -308,8 +308,13 @@ def _claims_allow(match: Match, claims: dict, notes: list) -> bool:
     key = claim_key(pattern.tag_primitive.name, leaves, match.meta, match.stacked)
     if any(claims.get(leaf) == MANUAL for leaf in leaves):
         return False
-    others = {claims[leaf] for leaf in leaves if claims.get(leaf, key) != key}
+    others = {k for leaf in leaves for k in _views.claimants(claims.get(leaf, key)) if k != key}
     shapes = dict(zip(leaves, (tuple(v.aval.shape) for v in match.param_vars), strict=True))
+    if others and _views.can_share_slices(key, others):
+        if _views.one_group(claims, leaves):
+            return True  # (disjoint slices of the leaves)
+        notes.append((_views.BRIDGE_NOTE.format(name=pattern.name), tuple(leaves)))
+        return False
     if others and not all(can_tie(key, other, shapes) for other in others):
         notes.append(
             (
@@ -335,8 +340,10 @@ def find_matches(
 
     Patterns are tried by decreasing precedence; an equation belongs to at most
     one match. ``claims`` maps parameter leaves to the `claim_key` of the layer
-    that owns them: a new match may only reuse parameters as the same kind of
-    layer (tied weights); ``claims`` is updated with the new matches. Parameter
+    that owns them (a `kfacx.graph_matcher._views.SlicedClaim` of several layers
+    for a leaf whose disjoint slices they read): a new match may only reuse
+    parameters as the same kind of layer (tied weights) or read other slices of
+    them; ``claims`` is updated with the new matches. Parameter
     reuse that cannot be served is appended to ``notes`` as ``(text, leaves)``.
     """
     notes = [] if notes is None else notes
@@ -355,7 +362,7 @@ def find_matches(
                 key = claim_key(
                     match.pattern.tag_primitive.name, match.param_leaves, match.meta, match.stacked
                 )
-                claims.update({leaf: key for leaf in match.param_leaves})
+                _views.claim(claims, match.param_leaves, key)
     return matches
 
 
@@ -371,7 +378,7 @@ def _match_pattern(pattern, graph: _Graph, claimed: set[int], claims: dict, note
         out.append(match)
         claimed.update(id(e) for e in match.eqns)
         key = claim_key(pattern.tag_primitive.name, match.param_leaves, match.meta, match.stacked)
-        claims.update({leaf: key for leaf in match.param_leaves})
+        _views.claim(claims, match.param_leaves, key)
     return out
 
 
@@ -416,4 +423,5 @@ def _tied(first: Match, second: Match) -> bool:
         for m in (first, second)
         for leaf, v in zip(m.param_leaves, m.param_vars, strict=True)
     }
-    return keys[0] == keys[1] or can_tie(keys[0], keys[1], shapes)
+    shared = keys[0] == keys[1] or _views.can_share_slices(keys[0], keys[1:])
+    return shared or can_tie(keys[0], keys[1], shapes)

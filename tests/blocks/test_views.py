@@ -140,3 +140,55 @@ def test_stacked_layer_of_views_is_a_stacked_block_of_view_blocks():
     out = block.multiply(state, vector, DAMPING)  # zero factors: the damping only
     for a, b in zip(out, vector, strict=True):
         np.testing.assert_allclose(a, DAMPING * b, rtol=1e-12)
+
+
+# ----------------------------------------------------------------------------- SlicedBlock
+
+
+def _sliced_layer(boxes):
+    """A sliced layer over one weight ``w [DX, 2G]``: a dense role per column box."""
+    roles = []
+    for start, stop in boxes:
+        view = (("slice", (0, start), (DX, stop), ("leaf", 0)),)
+        role = _layer([(DX, 2 * G)], view, DX, stop - start)
+        roles.append(role)
+    return blocks.LayerInfo(
+        tag_name=blocks.SLICED_TAG,
+        parameter_paths=("w",),
+        parameter_shapes=((DX, 2 * G),),
+        parameter_dtypes=(jnp.float64,),
+        roles=tuple(roles),
+        role_params=((0,),) * len(roles),
+    )
+
+
+def test_sliced_block_is_block_diagonal_over_the_slices():
+    layer = _sliced_layer([(0, G), (G, 2 * G)])
+    block = blocks.layer_block(layer, {"dense_tag": blocks.Full})
+    assert block.block_name == "SlicedBlock(Full, Full)"
+    data = [
+        dict(
+            inputs=(_random((N, DX), 30 + r),),
+            outputs_tangent=(_random((1, N, G), 40 + r),),
+            params=(_random((DX, 2 * G), 50),),
+        )
+        for r in range(2)
+    ]
+    state = block.init(jax.random.PRNGKey(0))
+    state = block.update_curvature_matrix_estimate(state, dict(roles=tuple(data)), 0.0, 1.0, N)
+    dense = np.asarray(block.to_dense_matrix(state))
+    # Entries of different column slices never meet: w is row-major [DX, 2G].
+    col = np.tile(np.arange(2 * G), DX) // G
+    assert not dense[np.ix_(col == 0, col == 1)].any() and dense[np.ix_(col == 0, col == 0)].any()
+    v = (_random((DX, 2 * G), 60),)
+    (got,) = block.multiply_inverse(state, v, DAMPING, exact_power=True)
+    want = np.linalg.solve(dense + DAMPING * np.eye(len(dense)), np.ravel(v[0]))
+    np.testing.assert_allclose(np.ravel(got), want, rtol=1e-10)
+
+
+@pytest.mark.parametrize(
+    "boxes, why", [([(0, G), (G - 1, 2 * G)], "exactly once"), ([(0, G)], "exactly once")]
+)
+def test_sliced_block_needs_disjoint_slices_covering_the_parameters(boxes, why):
+    with pytest.raises(ValueError, match=why):
+        blocks.SlicedBlock(_sliced_layer(boxes), lambda role: blocks.Full)

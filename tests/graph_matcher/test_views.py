@@ -108,3 +108,41 @@ def test_concatenated_weight_used_twice_is_one_layer_used_twice(with_bias):
     report, caught, _, _ = _detect(logits, params)
     assert report.unmatched == () and report.notes == () and caught == []
     assert {(e.layer, e.uses) for e in report.entries} == {(0, 2)}
+
+
+def test_concatenated_scale_and_shift_is_one_layer_of_any_kind():
+    rng = np.random.default_rng(1)
+    params = {k: jnp.asarray(rng.standard_normal(H // 2), jnp.float32) for k in "abcd"}
+
+    def logits(p, x):
+        h = jnp.concatenate([x, x], -1)
+        scale, shift = jnp.concatenate([p["a"], p["b"]]), jnp.concatenate([p["c"], p["d"]])
+        return h * scale[None] + shift[None]
+
+    report, caught, _, data = _detect(logits, params)
+    assert report.unmatched == () and report.notes == () and caught == []
+    assert {(e.tag, e.source) for e in report.entries} == {
+        ("scale_and_shift_tag", "scale_and_shift (concatenated)")
+    }
+
+    def reference(p, x):
+        return jnp.concatenate([x, x], -1) * p["scale"][None] + p["shift"][None]
+
+    ref_params = {
+        "scale": jnp.concatenate([params["a"], params["b"]]),
+        "shift": jnp.concatenate([params["c"], params["d"]]),
+    }
+    (est, dense), (_, ref_dense) = (
+        _ggn(_loss(f), (p, data)) for f, p in ((logits, params), (reference, ref_params))
+    )
+    assert [b.block_name for b in est.blocks] == ["ViewBlock(ScaleAndShiftDiagonal)"]
+    # Leaves a, b, c, d are the reference's scale and shift, in order.
+    np.testing.assert_allclose(dense, ref_dense, rtol=1e-6)
+    assert np.abs(dense).max() > 0
+
+
+def _ggn(loss, args):
+    est = kfacx.BlockDiagonalCurvature(loss, default_estimation_mode="ggn_exact")
+    key = jax.random.PRNGKey(0)
+    state = est.update_curvature_matrix_estimate(est.init(key, args), 0.0, 1.0, None, key, args)
+    return est, np.asarray(est.to_dense_matrix(state))
