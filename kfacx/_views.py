@@ -118,12 +118,16 @@ def is_sliced(expr: Expr) -> bool:
     return expr[0] == "reshape" and is_sliced(expr[2])
 
 
-def is_permutation(views: Sequence[Expr], num_operands: int) -> bool:
-    """Whether the views read every entry of every operand exactly once (each operand
-    whole, in one place): the layer's parameters are then a rearrangement of the
-    operands, and `scatter` inverts `effective`."""
-    used = [i for e in views for i in leaves(e)]
-    return sorted(used) == list(range(num_operands)) and not any(map(is_sliced, views))
+def is_permutation(views: Sequence[Expr], operand_shapes: Sequence[Sequence[int]]) -> bool:
+    """Whether the views read every entry of every operand exactly once (whole operands,
+    or slices of them that do not overlap and leave nothing out): the layer's parameters
+    are then a rearrangement of the operands, and `scatter` inverts `effective`."""
+    boxes = all_boxes(views)
+    return (
+        boxes is not None
+        and disjoint(boxes)
+        and all(covers(boxes, i, s) for i, s in enumerate(operand_shapes))
+    )
 
 
 def positions(views: Sequence[Expr], operand_shapes: Sequence[Sequence[int]]) -> np.ndarray:

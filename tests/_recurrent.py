@@ -92,6 +92,20 @@ def init_fused(seed: int = 0):
     return dict(wx=normal(rng, D, 4 * H), wh=normal(rng, H, 4 * H), b=normal(rng, 4 * H))
 
 
+def unpermuted(like, perm, reference):
+    """The tree shaped like ``like`` whose entries, permuted by ``perm`` (`positions`), are
+    ``reference``'s (flattened in pytree-leaf order)."""
+    flat = np.empty(len(perm))
+    flat[perm] = np.concatenate([np.ravel(a) for a in jax.tree_util.tree_leaves(reference)])
+    leaves, tree = jax.tree_util.tree_flatten(like)
+    offsets = np.cumsum([0] + [np.size(a) for a in leaves])
+    parts = [
+        jnp.asarray(flat[o : o + np.size(a)].reshape(np.shape(a)))
+        for o, a in zip(offsets, leaves, strict=False)
+    ]
+    return jax.tree_util.tree_unflatten(tree, parts)
+
+
 # ----------------------------------------------------------------------------- plain JAX
 
 
@@ -163,6 +177,11 @@ def _concat_inputs(weight, b, data):
     zeros = jnp.zeros((xs.shape[0], H), xs.dtype)
     _, hs = jax.lax.scan(step, (zeros, zeros), jnp.swapaxes(xs, 0, 1))
     return squared_loss(jnp.swapaxes(hs, 0, 1), targets)
+
+
+def init_concat_inputs_fused(seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return dict(w=normal(rng, D + H, 4 * H), b=normal(rng, 4 * H))
 
 
 def concat_inputs_to_fused(p):

@@ -35,7 +35,7 @@ def test_evaluate_and_shape():
 
 def test_scatter_inverts_a_permutation_and_positions_follow_it():
     ops = [jnp.asarray(o) for o in _operands()]
-    assert _views.is_permutation(VIEWS, 3)
+    assert _views.is_permutation(VIEWS, SHAPES)
     back = _views.scatter(_views.effective(ops, VIEWS), VIEWS, ops)
     for x, y in zip(back, ops, strict=True):
         np.testing.assert_array_equal(x, y)
@@ -44,7 +44,7 @@ def test_scatter_inverts_a_permutation_and_positions_follow_it():
     np.testing.assert_array_equal(flat[_views.positions(VIEWS, SHAPES)], gathered)
     # The transpose adds what a leaf read twice gives; such views are no permutation.
     twice = (("concat", 0, (("leaf", 0), ("leaf", 0))),)
-    assert not _views.is_permutation(twice, 1)
+    assert not _views.is_permutation(twice, [(2, 2)])
     (sum_back,) = _views.scatter(
         [jnp.ones((4, 2))], twice, [jax.ShapeDtypeStruct((2, 2), jnp.float32)]
     )

@@ -89,11 +89,11 @@ class ViewBlock(CurvatureBlock):
                 f"ViewBlock({layer.name}): the layer's metadata has no {_views.VIEWS!r}; use "
                 "the inner block class directly."
             )
-        if not _reads_once(views, len(layer.parameter_shapes), partial):
+        if not _reads_once(views, layer.parameter_shapes, partial):
             raise ValueError(
                 f"ViewBlock({layer.name}): the views {views} do not read every entry of the "
-                "parameters exactly once; a ViewBlock serves parameters concatenated whole "
-                "(with partial=True, slices of them read once)."
+                "parameters exactly once; a ViewBlock serves parameters concatenated (whole, "
+                "or in slices that leave nothing out; with partial=True, slices read once)."
             )
         super().__init__(layer)
         self.views = tuple(views)
@@ -220,9 +220,9 @@ class ViewBlock(CurvatureBlock):
         return dense.at[index[:, None], index[None, :]].set(inner)
 
 
-def _reads_once(views, num_operands: int, partial: bool) -> bool:
+def _reads_once(views, shapes, partial: bool) -> bool:
     if not partial:
-        return _views.is_permutation(views, num_operands)
+        return _views.is_permutation(views, shapes)
     boxes = _views.all_boxes(views)
     return boxes is not None and _views.disjoint(boxes)
 

@@ -234,7 +234,8 @@ def _structural_match(pattern, graph, t_eqn, claimed) -> Match | None:
     meta, permutation = extracted
     stacked = any(_jaxpr.slice_levels(o) for o in origins)
     if exprs is not None:
-        if not _views.servable(pattern, meta, exprs, len(params), stacked):
+        shapes = [v.aval.shape for v in params]
+        if not _views.servable(pattern, meta, exprs, shapes, stacked):
             return None
         meta[views_meta.VIEWS] = exprs
     match = Match(pattern, eqns, inputs, params, leaves, tv, meta, stacked, permutation)

@@ -201,7 +201,7 @@ def _renumber(expr: tuple, index: Sequence[int]) -> tuple:
     return (*expr[:-1], _renumber(expr[-1], index))
 
 
-def servable(pattern, meta: dict, exprs: tuple, num_operands: int, stacked: bool) -> bool:
+def servable(pattern, meta: dict, exprs: tuple, shapes: Sequence, stacked: bool) -> bool:
     """Whether kfacx serves a match with these views: not a stacked layer (batch
     dimensions over the weight, a tag input computed from the parameters, or slices of
     a scan's ``xs`` with slices taken of them), and each leaf read whole, once
@@ -211,7 +211,7 @@ def servable(pattern, meta: dict, exprs: tuple, num_operands: int, stacked: bool
     if bool(batch[0] or batch[1]) or pattern.tag_inputs_from_params:
         return False
     if not any(map(_views.is_sliced, exprs)):
-        return _views.is_permutation(exprs, num_operands)
+        return _views.is_permutation(exprs, shapes)
     boxes = _views.all_boxes(exprs)
     return not stacked and boxes is not None and _views.disjoint(boxes)
 
@@ -307,13 +307,13 @@ def one_group(claims: dict, leaves: Sequence[int]) -> bool:
 def incomplete_slices(matches: Sequence[Any], shapes: dict) -> set[int]:
     """The leaves that sliced layers (``matches``) read only in part: some of their entries
     belong to no layer (``shapes``: leaf -> shape)."""
-    boxes: dict[int, list] = {}
+    boxes: dict[int, set] = {}  # (a set: a layer applied twice reads its slices twice)
     for m in matches:
         if sliced(m.meta):
             meta_boxes = _views.all_boxes(m.meta[_views.VIEWS])
             for b in _views.renumber_boxes(meta_boxes, m.param_leaves):
-                boxes.setdefault(b[0], []).append(b)
-    return {leaf for leaf, bs in boxes.items() if not _views.covers(bs, leaf, shapes[leaf])}
+                boxes.setdefault(b[0], set()).add(b)
+    return {leaf for leaf, bs in boxes.items() if not _views.covers(list(bs), leaf, shapes[leaf])}
 
 
 #: The note of a leaf whose slices are not all layers' (`incomplete_slices`).

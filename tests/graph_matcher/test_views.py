@@ -146,3 +146,23 @@ def _ggn(loss, args):
     key = jax.random.PRNGKey(0)
     state = est.update_curvature_matrix_estimate(est.init(key, args), 0.0, 1.0, None, key, args)
     return est, np.asarray(est.to_dense_matrix(state))
+
+
+def test_slices_of_one_parameter_reordered_into_one_weight():
+    params = _params("w", cols=H)
+    k = H // 2
+
+    def logits(p, x):  # gates stored in another order than the product's
+        return jnp.tanh(x @ jnp.concatenate([p["w"][:, k:], p["w"][:, :k]], -1))
+
+    report, caught, _, data = _detect(logits, params)
+    assert report.unmatched == () and report.notes == () and caught == []
+    assert [e.source for e in report.entries] == ["dense (sliced)"]
+    est, dense = _ggn(_loss(logits), (params, data))
+    assert [b.block_name for b in est.blocks] == ["ViewBlock(DenseTwoKroneckerFactored)"]
+    reordered = {"w": jnp.concatenate([params["w"][:, k:], params["w"][:, :k]], -1)}
+    _, ref_dense = _ggn(_loss(lambda p, x: jnp.tanh(x @ p["w"])), (reordered, data))
+    perm = np.concatenate(
+        [np.arange(D * H).reshape(D, H)[:, k:], np.arange(D * H).reshape(D, H)[:, :k]], -1
+    ).ravel()
+    np.testing.assert_allclose(dense[np.ix_(perm, perm)], ref_dense, rtol=1e-5, atol=1e-6)
