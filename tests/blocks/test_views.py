@@ -173,14 +173,20 @@ def test_sliced_block_is_block_diagonal_over_the_slices():
         )
         for r in range(2)
     ]
-    state = block.init(jax.random.PRNGKey(0))
-    state = block.update_curvature_matrix_estimate(state, dict(roles=tuple(data)), 0.0, 1.0, N)
-    dense = np.asarray(block.to_dense_matrix(state))
+    v = (_random((DX, 2 * G), 60),)
+
+    @jax.jit
+    def run(data, v):
+        state = block.init(jax.random.PRNGKey(0))
+        state = block.update_curvature_matrix_estimate(state, dict(roles=data), 0.0, 1.0, N)
+        inverse = block.multiply_inverse(state, v, DAMPING, exact_power=True)
+        return block.to_dense_matrix(state), inverse
+
+    dense, (got,) = run(tuple(data), v)
+    dense = np.asarray(dense)
     # Entries of different column slices never meet: w is row-major [DX, 2G].
     col = np.tile(np.arange(2 * G), DX) // G
     assert not dense[np.ix_(col == 0, col == 1)].any() and dense[np.ix_(col == 0, col == 0)].any()
-    v = (_random((DX, 2 * G), 60),)
-    (got,) = block.multiply_inverse(state, v, DAMPING, exact_power=True)
     want = np.linalg.solve(dense + DAMPING * np.eye(len(dense)), np.ravel(v[0]))
     np.testing.assert_allclose(np.ravel(got), want, rtol=1e-10)
 

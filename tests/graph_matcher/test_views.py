@@ -144,8 +144,14 @@ def test_concatenated_scale_and_shift_is_one_layer_of_any_kind():
 def _ggn(loss, args):
     est = kfacx.BlockDiagonalCurvature(loss, default_estimation_mode="ggn_exact")
     key = jax.random.PRNGKey(0)
-    state = est.update_curvature_matrix_estimate(est.init(key, args), 0.0, 1.0, None, key, args)
-    return est, np.asarray(est.to_dense_matrix(state))
+
+    @jax.jit
+    def dense(args):
+        state = est.init(key, args)
+        state = est.update_curvature_matrix_estimate(state, 0.0, 1.0, None, key, args)
+        return est.to_dense_matrix(state)
+
+    return est, np.asarray(dense(args))
 
 
 def test_slices_of_one_parameter_reordered_into_one_weight():
