@@ -3,14 +3,17 @@
 The same kind of layer on the same parameters (a layer applied twice, tied weights of
 one kind) is one layer used several times; tags of different kinds sharing a weight (an
 embedding table reused as the output projection, ``w`` and ``w.T``) make a *tied* layer
-(pseudo tag `kfacx.blocks.TIED_TAG`) with one role per kind.
+(pseudo tag `kfacx.blocks.TIED_TAG`) with one role per kind; tags that read disjoint
+slices of the same parameters (``hk.GRU``'s ``w_h``, split between two dense layers)
+make a *sliced* layer (pseudo tag `kfacx.blocks.SLICED_TAG`), one role per slice.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from kfacx.blocks import TIED_TAG, LayerInfo
+from kfacx import _views
+from kfacx.blocks import SLICED_TAG, TIED_TAG, LayerInfo
 
 
 def same_kind(first: LayerInfo, first_leaves, info: LayerInfo, leaf_ids) -> bool:
@@ -64,7 +67,7 @@ def join_layer(shared: set[int], layers, leaves_of, info: LayerInfo, leaf_ids) -
             paths[pos] = role.parameter_paths[j]
             dtypes[pos] = role.parameter_dtypes[j]
     layers[index] = LayerInfo(
-        tag_name=TIED_TAG,
+        tag_name=_joined_tag(roles, role_params, leaves, paths),
         parameter_paths=tuple(paths[i] for i in range(len(leaves))),
         parameter_shapes=tuple(shapes[i] for i in range(len(leaves))),
         parameter_dtypes=tuple(dtypes[i] for i in range(len(leaves))),
@@ -73,3 +76,30 @@ def join_layer(shared: set[int], layers, leaves_of, info: LayerInfo, leaf_ids) -
     )
     leaves_of[index] = tuple(leaves)
     return index, len(roles) - 1
+
+
+def _sliced(info: LayerInfo) -> bool:
+    return any(map(_views.is_sliced, _views.views_of(info.meta) or ()))
+
+
+def _joined_tag(roles, role_params, leaves, paths) -> str:
+    """`SLICED_TAG` when every role reads its own slices of the parameters, else
+    `TIED_TAG`.
+
+    Raises:
+      ValueError: if roles reading slices read an entry twice.
+    """
+    if not all(map(_sliced, roles)):
+        return TIED_TAG
+    boxes = []
+    for role, positions in zip(roles, role_params, strict=True):
+        role_boxes = _views.all_boxes(_views.views_of(role.meta))
+        boxes += _views.renumber_boxes(role_boxes or [(0, None, None)], positions)
+    if not _views.disjoint(boxes):
+        names = [paths[i] for i in range(len(leaves))]
+        raise ValueError(
+            f"Layers read overlapping slices of parameters {names}; kfacx serves a parameter "
+            "split into disjoint slices, one per layer. Register the layers on separate "
+            "parameters, or tag the parameter with kfacx.register_generic."
+        )
+    return SLICED_TAG

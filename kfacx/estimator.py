@@ -190,15 +190,7 @@ class BlockDiagonalCurvature:
         return traced
 
     def _make_block(self, layer: blocks_lib.LayerInfo) -> blocks_lib.CurvatureBlock:
-        ctor = self.layer_tag_to_block_ctor.get(layer.tag_name)
-        if ctor is None:
-            raise ValueError(
-                f"No curvature block for layer tag {layer.tag_name!r} ({layer.name}); pass "
-                f"layer_tag_to_block_ctor={{{layer.tag_name!r}: SomeBlockClass}}."
-            )
-        if layer.stack_size is not None:  # lax.scan over the parameters: one block per slice.
-            return blocks_lib.StackedBlock(layer, ctor)
-        return ctor(layer)
+        return blocks_lib.layer_block(layer, self.layer_tag_to_block_ctor)
 
     @property
     def blocks(self) -> tuple[blocks_lib.CurvatureBlock, ...]:

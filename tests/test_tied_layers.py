@@ -35,3 +35,17 @@ def test_join_layer_other_kind_makes_a_tied_layer():
     assert leaves_of == [(0, 1)]
     with pytest.raises(ValueError, match="shares parameters with several other layer tags"):
         _tied_layers.join_layer({0, 1}, [tied, embed], [(0, 1), (2,)], dense, (0, 2))
+
+
+def test_join_layer_of_disjoint_slices_makes_a_sliced_layer():
+    from kfacx import _views
+
+    def sliced(start, stop):
+        view = (("slice", (0, start), (D, stop), ("leaf", 0)),)
+        return _info("dense_tag", ["w"], [(D, E)], meta={_views.VIEWS: view})
+
+    layers, leaves_of = [sliced(0, 2)], [(0,)]
+    assert _tied_layers.join_layer({0}, layers, leaves_of, sliced(2, E), (0,)) == (0, 1)
+    assert layers[0].tag_name == "sliced" and len(layers[0].roles) == 2
+    with pytest.raises(ValueError, match="overlapping slices"):
+        _tied_layers.join_layer({0}, layers, leaves_of, sliced(1, 3), (0,))

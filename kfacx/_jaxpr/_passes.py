@@ -22,9 +22,15 @@ from kfacx._jaxpr._interpret import (
 # loop-invariant residuals (e.g. the broadcast of a bias under `jax.value_and_grad`).
 _SHAPE_OPS = ("broadcast_in_dim", "reshape", "squeeze", "convert_element_type", "transpose")
 
+# Operations that build an operand of a scan from parameter leaves and that JAX hoists
+# out of its body alike: the concatenation of a fused-gate cell's weights
+# (``concatenate([w_i, w_f, w_g, w_o], -1)``) and the slices of a weight split between
+# layers (``jnp.split(w_h, [2 * hidden], axis=1)`` in ``hk.GRU``).
+_GATHER_OPS = ("concatenate", "split", "slice")
+
 
 def sink_invariants(closed: jex.core.ClosedJaxpr) -> jex.core.ClosedJaxpr:
-    """Moves shape operations on a scan's consts back into the scan body.
+    """Moves shape operations (and concatenations) on a scan's consts back into the body.
 
     Differentiating a scan (``jax.value_and_grad`` of a loss, whose forward
     pass the optimizer traces) hoists loop-invariant work out of the body: the
@@ -33,7 +39,11 @@ def sink_invariants(closed: jex.core.ClosedJaxpr) -> jex.core.ClosedJaxpr:
     would see ``x @ w + c`` with ``c`` not a parameter. Moving such chains of
     `_SHAPE_OPS` (from an input of the enclosing jaxpr) back into the body
     restores ``x @ w + broadcast(b)``; the result computes the same values.
-    Nested scans and call bodies are rewritten too.
+    A fused-gate cell's ``concatenate([w_i, w_f, w_g, w_o], -1)`` and ``hk.GRU``'s
+    ``jnp.split(w_h, ...)`` (`_GATHER_OPS`, with the shape operations before them) move
+    in the same way, its inputs becoming the
+    scan's consts in its place. Nested scans and call bodies are rewritten too (the
+    operands of a call are moved in only as chains of shape operations).
     """
     jaxpr = _sink(closed.jaxpr)
     return closed if jaxpr is closed.jaxpr else jex.core.ClosedJaxpr(jaxpr, closed.consts)
@@ -46,11 +56,15 @@ def _sink(jaxpr: Jaxpr) -> Jaxpr:
         for eqn in jaxpr.eqns
         if eqn.primitive.name in _SHAPE_OPS and len(eqn.invars) == 1 and len(eqn.outvars) == 1
     }
+    gathers = {
+        **producers,
+        **{v: eqn for eqn in jaxpr.eqns if eqn.primitive.name in _GATHER_OPS for v in eqn.outvars},
+    }
     eqns, changed = [], False
     for eqn in jaxpr.eqns:
         new = eqn
         if is_scan(eqn):
-            new = _sink_scan(eqn, producers, roots)
+            new = _sink_scan(eqn, gathers, roots)
         elif eqn.primitive.name in _SINKABLE_CALLS and _SINKABLE_CALLS[eqn.primitive.name] in (
             eqn.params
         ):
@@ -137,18 +151,81 @@ def _closed(body: Any) -> jex.core.ClosedJaxpr:
 
 def _sink_scan(eqn: JaxprEqn, producers: dict, roots: set) -> JaxprEqn:
     nc = eqn.params["num_consts"]
-    chains = _chains(eqn.invars[:nc], producers, roots)
+    recipes = [_recipe(v, producers, roots) for v in eqn.invars[:nc]]
     body = eqn.params["jaxpr"]
-    if not any(chains):
+    if not any(recipes):
         inner = _sink(body.jaxpr)
         if inner is body.jaxpr:
             return eqn
         return eqn.replace(params=dict(eqn.params, jaxpr=jex.core.ClosedJaxpr(inner, body.consts)))
-    new = _with_chains(body, chains)
-    if new is None:
+    sunk = _with_recipes(body, eqn.invars[:nc], recipes, roots)
+    if sunk is None:
         return eqn  # (keep the scan as it is rather than add operands)
-    invars = [c[0] if c else v for v, c in zip(eqn.invars[:nc], chains, strict=True)]
-    return eqn.replace(invars=invars + eqn.invars[nc:], params=dict(eqn.params, jaxpr=new))
+    operands, new = sunk
+    params = dict(eqn.params, jaxpr=new, num_consts=len(operands))
+    if "linear" in params:
+        params["linear"] = (False,) * len(operands) + tuple(params["linear"][nc:])
+    return eqn.replace(invars=[*operands, *eqn.invars[nc:]], params=params)
+
+
+def _recipe(var: Any, producers: dict, roots: set) -> list[JaxprEqn] | None:
+    """The equations of `_SHAPE_OPS` and `_GATHER_OPS` (``producers``) that compute ``var``
+    from inputs of the jaxpr (``roots``), in evaluation order; None if ``var`` is an input
+    or is not computed so."""
+    eqns: dict[int, JaxprEqn] = {}
+
+    def visit(v) -> bool:
+        if not isinstance(v, jex.core.Var):
+            return False
+        if v in roots:
+            return True
+        eqn = producers.get(v)
+        if eqn is None or not all(visit(u) for u in eqn.invars):
+            return False
+        eqns.setdefault(id(eqn), eqn)  # (after its operands' equations)
+        return True
+
+    if not isinstance(var, jex.core.Var) or var in roots or not visit(var):
+        return None
+    return list(eqns.values())
+
+
+def _with_recipes(body, operands, recipes, roots) -> tuple[list, jex.core.ClosedJaxpr] | None:
+    """``(new operands, new body)``: ``body`` taking the inputs of the recipes in place of
+    the operands they compute (it evaluates the recipes first), or None if that would
+    need constants."""
+    new_operands: list[Any] = []
+
+    def position(u) -> int:
+        found = next((i for i, w in enumerate(new_operands) if w is u), None)
+        if found is None:
+            new_operands.append(u)
+            return len(new_operands) - 1
+        return found
+
+    kept = {}  # operand index -> its position among the new operands
+    for i, (v, recipe) in enumerate(zip(operands, recipes, strict=True)):
+        if recipe is None:
+            kept[i] = position(v)
+        else:
+            for u in (u for e in recipe for u in e.invars if u in roots):
+                position(u)
+    steps = list({id(e): e for r in recipes if r for e in r}.values())
+    k = len(new_operands)
+
+    def new_body(*args):
+        env = {
+            v: a for v, a in zip(new_operands, args, strict=False) if isinstance(v, jex.core.Var)
+        }
+        for e in steps:
+            env.update(zip(e.outvars, bind_eqn(e, [env[u] for u in e.invars]), strict=True))
+        consts = [args[kept[i]] if i in kept else env[v] for i, v in enumerate(operands)]
+        return eval_jaxpr(body.jaxpr, body.consts, [*consts, *args[k:]])
+
+    avals = [v.aval for v in new_operands] + [v.aval for v in body.jaxpr.invars[len(operands) :]]
+    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in avals]
+    new = jax.make_jaxpr(new_body)(*specs)
+    return None if new.consts else (new_operands, jex.core.ClosedJaxpr(_sink(new.jaxpr), ()))
 
 
 def dce(closed: jex.core.ClosedJaxpr) -> jex.core.ClosedJaxpr:

@@ -6,7 +6,9 @@ vector. Abstract bases: `CurvatureBlock` and `TwoKroneckerFactored`.
 `StackedBlock` wraps any block for layers stacked along a leading axis
 (`lax.scan` over the parameters, `hk.layer_stack`); `TiedKroneckerFactored`
 serves a 2-D weight used by dense and embedding layers of different kinds
-(tied input/output embeddings, ``w`` and ``w.T``). `block_norm` computes a
+(tied input/output embeddings, ``w`` and ``w.T``); `ViewBlock` serves a layer whose
+parameters are concatenations of parameter leaves (fused-gate LSTMs), `SlicedBlock`
+parameters split into slices between layers (``hk.GRU``). `block_norm` computes a
 block's matrix norms (for scaling the damping per block).
 """
 
@@ -42,8 +44,10 @@ from kfacx.blocks._kronecker import (
     KroneckerPair,
     TwoKroneckerFactored,
 )
+from kfacx.blocks._make import layer_block
 from kfacx.blocks._norms import NORM_TYPES, Factor, block_norm, check_norm_type, kronecker_pieces
 from kfacx.blocks._reduce import ConvTwoKroneckerFactoredReduce, DenseTwoKroneckerFactoredReduce
+from kfacx.blocks._sliced import SLICED_TAG, SlicedBlock
 from kfacx.blocks._stacked import StackedBlock
 from kfacx.blocks._tied import (
     TIED_TAG,
@@ -53,6 +57,7 @@ from kfacx.blocks._tied import (
     TiedKroneckerFactored,
 )
 from kfacx.blocks._tnt import ConvTNT, DenseTNT
+from kfacx.blocks._views import ViewBlock, effective_layer, view_ctor
 
 __all__ = [
     "BlockState",
@@ -83,7 +88,9 @@ __all__ = [
     "Factor",
     "LayerInfo",
     "ScaleAndShiftDiagonal",
+    "SLICED_TAG",
     "ScaleAndShiftFull",
+    "SlicedBlock",
     "StackedBlock",
     "TIED_TAG",
     "TiedCache",
@@ -91,11 +98,15 @@ __all__ = [
     "TiedFactor",
     "TiedKroneckerFactored",
     "TwoKroneckerFactored",
+    "ViewBlock",
     "WeightedMovingAverage",
     "block_norm",
     "check_norm_type",
     "curvature_block_ctors",
+    "effective_layer",
     "flatten_params",
     "kronecker_pieces",
+    "layer_block",
     "unflatten_params",
+    "view_ctor",
 ]

@@ -14,6 +14,7 @@ import numpy as np
 
 from kfacx import _jaxpr, _user_warnings, tags
 from kfacx._paths import checked_param_paths, param_origins
+from kfacx.graph_matcher import _views
 from kfacx.graph_matcher._defaults import DEFAULT_GRAPH_PATTERNS
 from kfacx.graph_matcher._match import MANUAL, AmbiguousPatternsError, Match, find_matches
 from kfacx.graph_matcher._pattern import GraphPattern
@@ -32,6 +33,13 @@ class _Plan:
 
     matches: list[Match]
     children: dict[int, tuple[_Plan, ...]]
+
+    def drop(self, leaves: set[int]) -> None:
+        """Removes, here and below, the matches that use any of ``leaves``."""
+        self.matches = [m for m in self.matches if not leaves & set(m.param_leaves)]
+        for plans in self.children.values():
+            for plan in plans:
+                plan.drop(leaves)
 
     def all_matches(self) -> list[Match]:
         out = list(self.matches)
@@ -273,8 +281,10 @@ def auto_register_tags(
     paths = list(checked_param_paths(func_args[params_index]))
     origins = param_origins(func_args, params_index, len(closed.jaxpr.invars))
     manual = _tagged_leaves(closed.jaxpr, origins)
+    invars = closed.jaxpr.invars
+    shapes = {o: v.aval.shape for o, v in zip(origins, invars, strict=True) if o is not None}
     sizes = _batch_sizes(func_args, params_index)
-    plan, notes = _detect(closed.jaxpr, origins, list(graph_patterns), paths, sizes)
+    plan, notes = _detect(closed.jaxpr, origins, list(graph_patterns), paths, shapes, sizes)
     for note in notes:
         _warn(f"kfacx: {note}")
     sources = _sources(manual, plan)
@@ -311,21 +321,43 @@ def _batch_sizes(func_args: tuple, params_index: int) -> frozenset[int]:
     return frozenset(int(s[0]) for s in shapes if s)
 
 
-def _detect(jaxpr, origins, patterns: list[GraphPattern], paths: list[str], batch_sizes=None):
+def _detect(
+    jaxpr, origins, patterns: list[GraphPattern], paths: list[str], shapes: dict, batch_sizes
+):
     """``(plan, notes)``: the matches of ``patterns`` (parameters tagged by hand are kept
-    as they are) and the notes for the user, with parameter paths, without repeats.
+    as they are; layers reading slices of a parameter (``shapes``: leaf -> shape) of which
+    others are no layer's are dropped, `_drop_incomplete_slices`) and the notes for the
+    user, with parameter paths, without repeats.
 
     Raises:
       ValueError: if two patterns of equal precedence match one layer.
     """
     raw_notes: list[tuple[str, tuple[int, ...]]] = []
+    claims = _manual_claims(jaxpr, origins)
     try:
-        claims = _manual_claims(jaxpr, origins)
-        plan = _plan(jaxpr, origins, patterns, claims, raw_notes, batch_sizes=batch_sizes)
+        plan = _plan(jaxpr, origins, patterns, dict(claims), raw_notes, batch_sizes=batch_sizes)
     except AmbiguousPatternsError as e:
         raise ValueError(f"{e} Parameters: {[paths[i] for i in e.leaves]}.") from e
+    _drop_incomplete_slices(plan, shapes, raw_notes)
+    served = set(claims) | {leaf for m in plan.all_matches() for leaf in m.param_leaves}
+    raw_notes = _views.unserved_leaves(raw_notes, served)
     notes = dict.fromkeys(f"{text}: {[paths[i] for i in leaves]}" for text, leaves in raw_notes)
     return plan, tuple(notes)
+
+
+def _drop_incomplete_slices(plan: _Plan, shapes: dict, notes: list) -> None:
+    """Drops the layers that read slices of a parameter some of whose entries are no
+    layer's (and, in turn, those that read slices of what that left incomplete), with a
+    note: a block serves whole parameters."""
+    dropped: set[int] = set()
+    while True:
+        partial = _views.incomplete_slices(plan.all_matches(), shapes) - dropped
+        if not partial:
+            break
+        plan.drop(partial)
+        dropped |= partial
+    if dropped:
+        notes.append((_views.PARTIAL_NOTE, tuple(sorted(dropped))))
 
 
 def _sources(manual, plan: _Plan) -> dict[int, str]:
@@ -335,7 +367,8 @@ def _sources(manual, plan: _Plan) -> dict[int, str]:
     for m in plan.all_matches():
         for leaf in m.param_leaves:
             names = sources[leaf].split("+") if sources.get(leaf, "manual") != "manual" else []
-            sources[leaf] = "+".join(dict.fromkeys([*names, m.pattern.name]))
+            name = _views.source_name(m.pattern.name, m.meta)
+            sources[leaf] = "+".join(dict.fromkeys([*names, name]))
     return sources
 
 
@@ -414,8 +447,16 @@ def _tagged_leaves(jaxpr, origins) -> dict[int, tuple[str, int, int, int | None,
             if kind not in kinds[o]:
                 kinds[o].append(kind)
             if len(kinds[o]) > 1:
-                out[o][0] = f"tied({', '.join(name for name, _ in kinds[o])})"
+                out[o][0] = _joined_tag_name(kinds[o])
     return {o: tuple(v) for o, v in out.items()}
+
+
+def _joined_tag_name(kinds: list[tuple]) -> str:
+    """The report's tag of a layer whose parameters several kinds of tags use:
+    ``"sliced(dense_tag, dense_tag)"`` when each reads its own slices of them (e.g. the
+    column blocks of ``hk.GRU``'s ``w_h``), else ``"tied(embedding_tag, dense_tag)"``."""
+    names = ", ".join(name for name, _ in kinds)
+    return f"sliced({names})" if all(_views.sliced(dict(m)) for _, m in kinds) else f"tied({names})"
 
 
 def _use_summary(tag: tags.LayerTag, site: _jaxpr.TagSite) -> tuple[list, int, int | None, tuple]:

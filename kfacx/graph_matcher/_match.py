@@ -25,6 +25,8 @@ from typing import Any
 import jax.extend as jex
 
 from kfacx import _jaxpr
+from kfacx import _views as views_meta
+from kfacx.graph_matcher import _views
 from kfacx.graph_matcher._pattern import OUTPUT_PERMUTATION, GraphPattern
 from kfacx.graph_matcher._verify import SHAPE_ONLY, verified
 
@@ -47,6 +49,9 @@ class Match:
         layer, e.g. `hk.layer_stack`) rather than whole parameter leaves.
       output_permutation: None, or the permutation that takes the tag's output
         layout to the matched output's (`kfacx.graph_matcher._pattern.OUTPUT_PERMUTATION`).
+      view_eqns: the equations that concatenate parameter leaves into the layer's
+        parameters, when they are views (`kfacx.graph_matcher._views`: ``meta`` then
+        holds the view expressions, and ``param_vars`` the leaves).
     """
 
     pattern: GraphPattern
@@ -58,6 +63,7 @@ class Match:
     meta: dict[str, Any]
     stacked: bool = False
     output_permutation: tuple[int, ...] | None = None
+    view_eqns: list[Any] = dataclasses.field(default_factory=list)
 
 
 class _Graph:
@@ -161,12 +167,12 @@ class _Unifier:
             return state
         param = self._pattern_param(pv)
         if param is not None:
-            found = self.graph.param_leaf(tv)
+            found = _views.resolve(self.graph, tv)  # a leaf, or a concatenation of leaves
             if found is None:
                 return None
             if param in state.binding:
-                return state if state.binding[param] is found[0] else None
-            state.binding[param] = found[0]
+                return state if _views.same_source(state.binding[param], found) else None
+            state.binding[param] = found
             return state
         return self._unify_eqn(pv, tv, state)
 
@@ -249,6 +255,8 @@ def can_tie(key: tuple, other: tuple, shapes: dict[int, tuple[int, ...]]) -> boo
     shared = set(key[1]) & set(other[1])
     if len(shared) != 1 or key[3] or other[3]:
         return False
+    if any(views_meta.VIEWS in dict(k[2]) for k in (key, other)):
+        return False  # (a tied block serves whole weights)
     (leaf,) = shared
     return (
         key[0] in TIEABLE_TAGS
@@ -281,6 +289,8 @@ def _structural_match(pattern, graph, t_eqn, claimed) -> Match | None:
     if bound is None:
         return None
     inputs, params, eqns, tv = bound
+    flat = _views.flatten(params)  # parameters concatenated from leaves
+    params, exprs, view_eqns = flat if flat is not None else (params, None, [])
     origins = [graph.origin[v] for v in params]
     leaves = [_jaxpr.leaf_origin(o) for o in origins]
     if len(set(leaves)) != len(leaves) or _internal_values_escape(graph, eqns, tv):
@@ -290,7 +300,14 @@ def _structural_match(pattern, graph, t_eqn, claimed) -> Match | None:
         return None
     meta, permutation = extracted
     stacked = any(_jaxpr.slice_levels(o) for o in origins)
-    return Match(pattern, eqns, inputs, params, leaves, tv, meta, stacked, permutation)
+    if exprs is not None:
+        shapes = [v.aval.shape for v in params]
+        if not _views.servable(pattern, meta, exprs, shapes, stacked):
+            return None
+        meta[views_meta.VIEWS] = exprs
+    match = Match(pattern, eqns, inputs, params, leaves, tv, meta, stacked, permutation)
+    match.view_eqns = view_eqns
+    return match
 
 
 def _unify_output(pattern, graph, t_eqn, claimed) -> tuple | None:
@@ -379,8 +396,13 @@ def _claims_allow(match: Match, claims: dict, notes: list) -> bool:
     key = claim_key(pattern.tag_primitive.name, leaves, match.meta, match.stacked)
     if any(claims.get(leaf) == MANUAL for leaf in leaves):
         return False
-    others = {claims[leaf] for leaf in leaves if claims.get(leaf, key) != key}
+    others = {k for leaf in leaves for k in _views.claimants(claims.get(leaf, key)) if k != key}
     shapes = dict(zip(leaves, (tuple(v.aval.shape) for v in match.param_vars), strict=True))
+    if others and _views.can_share_slices(key, others):
+        if _views.one_group(claims, leaves):
+            return True  # (disjoint slices of the leaves)
+        notes.append((_views.BRIDGE_NOTE.format(name=pattern.name), tuple(leaves)))
+        return False
     if others and not all(can_tie(key, other, shapes) for other in others):
         if not pattern.num_inputs:
             return False  # A parameter-only layer is the reading of last resort: no note.
@@ -409,14 +431,17 @@ def find_matches(
 
     Patterns are tried by decreasing precedence; an equation belongs to at most
     one match. ``claims`` maps parameter leaves to the `claim_key` of the layer
-    that owns them: a new match may only reuse parameters as the same kind of
-    layer (tied weights); ``claims`` is updated with the new matches. Parameter
+    that owns them (a `kfacx.graph_matcher._views.SlicedClaim` of several layers
+    for a leaf whose disjoint slices they read): a new match may only reuse
+    parameters as the same kind of layer (tied weights) or read other slices of
+    them; ``claims`` is updated with the new matches. Parameter
     reuse that cannot be served is appended to ``notes`` as ``(text, leaves)``.
     ``batch_sizes``: the leading sizes of the batch's arrays, which the result of a
     pattern without inputs must have first (None: any).
     """
     notes = [] if notes is None else notes
     graph = _Graph(jaxpr, origins, batch_sizes)
+    _views.mixed_concatenation_notes(graph, notes)
     claimed: set[int] = set()
     matches: list[Match] = []
     for precedence in sorted({p.precedence for p in patterns}, reverse=True):
@@ -431,7 +456,7 @@ def find_matches(
                 key = claim_key(
                     match.pattern.tag_primitive.name, match.param_leaves, match.meta, match.stacked
                 )
-                claims.update({leaf: key for leaf in match.param_leaves})
+                _views.claim(claims, match.param_leaves, key)
     return matches
 
 
@@ -447,7 +472,7 @@ def _match_pattern(pattern, graph: _Graph, claimed: set[int], claims: dict, note
         out.append(match)
         claimed.update(id(e) for e in match.eqns)
         key = claim_key(pattern.tag_primitive.name, match.param_leaves, match.meta, match.stacked)
-        claims.update({leaf: key for leaf in match.param_leaves})
+        _views.claim(claims, match.param_leaves, key)
     return out
 
 
@@ -492,4 +517,5 @@ def _tied(first: Match, second: Match) -> bool:
         for m in (first, second)
         for leaf, v in zip(m.param_leaves, m.param_vars, strict=True)
     }
-    return keys[0] == keys[1] or can_tie(keys[0], keys[1], shapes)
+    shared = keys[0] == keys[1] or _views.can_share_slices(keys[0], keys[1:])
+    return shared or can_tie(keys[0], keys[1], shapes)

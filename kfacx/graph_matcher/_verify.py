@@ -16,7 +16,7 @@ import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
 
-from kfacx import _jaxpr
+from kfacx import _jaxpr, _views
 
 if TYPE_CHECKING:
     from kfacx.graph_matcher._match import Match, _Graph
@@ -36,9 +36,13 @@ SHAPE_ONLY = {
 }
 
 
-def _subgraph_eqns(graph: _Graph, eqns, param_vars) -> list[Any]:
-    """The matched equations and the shape-only chains from the parameter leaves, in order."""
-    chain_eqns = {id(e): e for pv in param_vars for e in _chains_from(graph, pv)}
+def _subgraph_eqns(graph: _Graph, eqns, param_vars, view_eqns=()) -> list[Any]:
+    """The matched equations and the shape-only chains from the parameter leaves (and, for
+    parameters concatenated from leaves, the concatenations and the chains from them), in
+    order."""
+    sources = [*param_vars, *(v for e in view_eqns for v in e.outvars)]
+    chain_eqns = {id(e): e for e in view_eqns}
+    chain_eqns.update({id(e): e for pv in sources for e in _chains_from(graph, pv)})
     return sorted(list(chain_eqns.values()) + eqns, key=lambda e: graph.order[id(e)])
 
 
@@ -127,7 +131,7 @@ def verified(match: Match, graph: _Graph) -> bool:
     """Numerical check: the matched equations equal the tag's compute function."""
     if match.pattern.tag_primitive.compute is None:
         return True
-    todo = _subgraph_eqns(graph, match.eqns, match.param_vars)
+    todo = _subgraph_eqns(graph, match.eqns, match.param_vars, match.view_eqns)
     key = _structure(match, todo)
     if key is None:
         return _check_numerically(match, todo)
@@ -176,7 +180,9 @@ def _check_numerically(match: Match, todo) -> bool:
                 match.output_var,
             )
             tag_inputs = match.pattern.tag_inputs(inputs, params, want)
-            (got,) = compute(tag_inputs, tuple(params), **match.meta)
+            views = _views.views_of(match.meta)
+            layer_params = tuple(params) if views is None else _views.effective(params, views)
+            (got,) = compute(tag_inputs, layer_params, **_views.without_views(match.meta))
             if match.output_permutation is not None:
                 got = jax.numpy.transpose(got, match.output_permutation)
             return want, got
