@@ -89,7 +89,8 @@ class Optimizer:
       curvature, learning_rate, damping, batch: config dataclasses.
       multi_device: pmap `step` over the local devices (batches then have a
         leading device axis, parameters and state are replicated; see
-        `kfacx.parallel`); otherwise `step` is jit-compiled.
+        `kfacx.parallel`), or over the devices of all processes after
+        `jax.distributed.initialize`; otherwise `step` is jit-compiled.
       pmap_axis_name: the device axis name used by `step` when
         ``multi_device`` (and by `unstaged_step` if you pmap it yourself).
       distributed_inverses: with several devices, refresh each block's cached

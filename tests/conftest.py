@@ -48,7 +48,12 @@ if _CACHE in os.environ:
 
 #: Test files whose tests each take tens of seconds (examples and docs snippets run in
 #: subprocesses): started first, so that no worker is left with one of them at the end.
-_SLOW_FIRST = ("test_examples.py", "test_examples_extra.py", "test_docs.py")
+_SLOW_FIRST = (
+    "test_examples.py",
+    "test_examples_extra.py",
+    "test_docs.py",
+    "test_multiprocess.py",
+)
 
 
 def pytest_collection_modifyitems(config, items):

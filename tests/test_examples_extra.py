@@ -1,4 +1,5 @@
-"""The MNIST-1D classifier and the optax pipeline examples run end to end (tiny settings)."""
+"""The MNIST-1D classifier and the optax pipeline examples run end to end (tiny settings);
+the multiprocess example shows its options."""
 
 from __future__ import annotations
 
@@ -36,6 +37,15 @@ def test_help(name):
     out = run_example(name, "--help")
     for flag in ("--steps", "--batch-size", "--plot", "--no-progress"):
         assert flag in out, out
+
+
+def test_multiprocess_help():
+    """examples/multiprocess.py trains in tests/test_multiprocess.py's two processes;
+    here its launcher's options."""
+    out = run_example("multiprocess.py", "--help")
+    for flag in ("--num-processes", "--cluster", "--steps", "--batch-size", "--checkpoint"):
+        assert flag in out, out
+    assert "--process-id" not in out  # set by the launcher only
 
 
 def test_classifier_mnist1d_trains_above_chance(tmp_path):

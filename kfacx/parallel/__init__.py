@@ -9,6 +9,11 @@ rng key::
     rng = kfacx.parallel.make_different_rng_key_on_all_devices(rng)
     batch = kfacx.parallel.shard_batch(batch)
 
+With several processes (`jax.distributed`, as on several hosts) the step is
+pmapped over the devices of all processes: each process passes the inputs of its
+own devices, made with these helpers from its own rows of the global batch
+(tests/test_multiprocess.py; checkpoints: see `get_first`).
+
 The package also holds kfacx's own multi-device machinery, private modules used
 by the layers above (they do no communication of their own beyond JAX's
 collectives):
@@ -38,10 +43,17 @@ __all__ = [
 
 
 def replicate_all_local_devices(tree: Any) -> Any:
-    """Adds a leading axis with one copy of every leaf per local device.
+    """Adds a leading axis with one copy of every leaf per local device (this
+    process's devices).
 
     Leaves are copied through the host, so arrays that came out of a `jax.pmap`
     (e.g. `get_first` of a step's output) can be replicated again.
+
+    Args:
+      tree: a pytree of arrays (random keys included).
+
+    Returns:
+      The pytree with leaves of shape ``[jax.local_device_count(), ...]``.
     """
     n = jax.local_device_count()
 
@@ -56,12 +68,33 @@ def replicate_all_local_devices(tree: Any) -> Any:
 
 
 def make_different_rng_key_on_all_devices(rng: jax.Array) -> jax.Array:
-    """One different key per local device (a leading device axis)."""
-    return jax.random.split(rng, jax.local_device_count())
+    """One different key per local device (a leading device axis), different in every
+    process too.
+
+    The keys are this process's slice of ``jax.random.split(rng, jax.device_count())``,
+    so each device of a `jax.pmap` over several processes gets its own key, and the
+    processes together hold the keys one process with all the devices would.
+
+    Args:
+      rng: one key, the same in every process.
+
+    Returns:
+      ``jax.local_device_count()`` keys.
+    """
+    n = jax.local_device_count()
+    start = jax.process_index() * n
+    return jax.random.split(rng, jax.device_count())[start : start + n]
 
 
 def shard_batch(batch: Any) -> Any:
-    """Splits every leaf's leading (batch) axis into ``[devices, batch // devices, ...]``.
+    """Splits every leaf's leading (batch) axis into ``[devices, batch // devices, ...]``
+    over the local devices. With several processes, pass this process's rows.
+
+    Args:
+      batch: a pytree of arrays with a leading batch axis.
+
+    Returns:
+      The pytree with leaves of shape ``[jax.local_device_count(), rows, ...]``.
 
     Raises:
       ValueError: if the number of local devices does not divide the batch.
@@ -78,5 +111,16 @@ def shard_batch(batch: Any) -> Any:
 
 
 def get_first(tree: Any) -> Any:
-    """The first device's copy of a replicated pytree."""
+    """The first local device's copy of a replicated pytree (pmap's outputs).
+
+    With several processes the copy lives on this process's devices only, and orbax
+    does not save such arrays from several processes: save
+    ``jax.device_get(get_first(tree))`` (NumPy arrays) instead.
+
+    Args:
+      tree: a pytree of arrays with a leading device axis.
+
+    Returns:
+      The pytree without it.
+    """
     return jax.tree.map(lambda x: x[0], tree)

@@ -4,8 +4,9 @@ Four placements share one pure step function (`kfacx.Optimizer.unstaged_step`), 
 leading arguments are named in `STEP_INPUTS`:
 
 * ``single``: ``jax.jit`` on the default device;
-* ``pmap``: ``jax.pmap`` over the local devices (``multi_device=True``); inputs
-  carry a leading device axis (see `kfacx.parallel`);
+* ``pmap``: ``jax.pmap`` (``multi_device=True``) over the devices of all processes;
+  each process's inputs carry a leading axis of its local devices (see
+  `kfacx.parallel`);
 * ``mesh``: ``jax.jit`` with the batch sharded over the data axis of a
   `jax.sharding.Mesh` and everything else replicated; the compiler partitions
   the single-device program (GSPMD), and the inverse refresh runs in a
@@ -16,9 +17,10 @@ leading arguments are named in `STEP_INPUTS`:
 
 In the mesh placements inputs are global arrays: the batch's leading axis is
 the global batch, and one rng key serves all devices (``shard_map`` folds the
-device index into it, so devices draw different samples). Multi-host runs
-use the same code after `jax.distributed.initialize`, with a mesh over all
-processes' devices.
+device index into it, so devices draw different samples). Runs of several
+processes (as on several hosts) use the same code after
+`jax.distributed.initialize`, with a mesh over all processes' devices and
+global batches (tests/test_multiprocess.py).
 """
 
 from __future__ import annotations
@@ -157,7 +159,7 @@ class Placement:
         self.check_batch(batch)
         data = NamedSharding(self.mesh, _P(self.data_axis_name))
         rep = self.replicated()
-        return (jax.device_put(batch, data), *(jax.device_put(x, rep) for x in replicated))
+        return (jax.device_put(batch, data), *(_replicate(x, rep) for x in replicated))
 
     # ---------------------------------------------------------------- staging
 
@@ -264,6 +266,27 @@ def _on_auto_axes(x: Any) -> Any:
     if AxisType.Explicit not in tuple(sharding.mesh.axis_types):
         return x
     return jax.device_put(x, NamedSharding(_auto_mesh(sharding.mesh), sharding.spec))
+
+
+def _replicate(tree: Any, sharding: NamedSharding) -> Any:
+    """``tree`` with its leaves replicated as ``sharding``.
+
+    With several processes, a leaf that is not yet a global array (a NumPy array,
+    a random key, an array on one device) is this process's copy of a value that
+    every process holds (parameters, optimizer state, rng): it is copied onto this
+    process's devices of the mesh, with no check or transfer between processes
+    (there `jax.device_put` refuses random keys and arrays committed to a device,
+    and compares other values across the processes, a blocking collective)."""
+    if jax.process_count() == 1:
+        return jax.device_put(tree, sharding)
+
+    def put(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return jax.device_put(x, sharding)  # a global array: moved by JAX
+        value = x if isinstance(x, jax.Array) else jax.numpy.asarray(x)
+        return jax.make_array_from_callback(value.shape, sharding, lambda _: value)
+
+    return jax.tree.map(put, tree)
 
 
 def _parameter_names(fn: Callable[..., Any]) -> tuple[str, ...]:
