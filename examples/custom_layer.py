@@ -1,10 +1,10 @@
 """Extending kfacx: a custom layer tag, graph pattern and curvature block, end to end.
 
-The layer is a dense layer with a learned log-temperature (as CLIP scales its
-logits), ``y = exp(log_scale) * (x @ w)``. The default patterns find the
-``x @ w`` but not ``log_scale`` (it reaches the layer through ``exp``, so no
-default pattern can bind it): it would get the diagonal fallback block with a
-warning. This script
+The layer is a dense layer divided by a learned temperature (as a softmax
+temperature divides the logits), ``y = (x @ w) / exp(log_scale)``. The default
+patterns find the ``x @ w`` but not ``log_scale`` (it divides the layer's output,
+and no default pattern has a parameter there): it would get the diagonal fallback
+block with a warning. This script
 
 1. declares a `kfacx.tags.LayerTag` for the layer, with its compute function;
 2. writes a `kfacx.GraphPattern` (the layer as a small JAX function, example
@@ -40,7 +40,7 @@ import kfacx
 def scaled_dense_compute(inputs, params):
     (x,) = inputs
     w, log_scale = params
-    return (jnp.exp(log_scale) * (x @ w),)
+    return ((x @ w) / jnp.exp(log_scale),)
 
 
 scaled_dense_tag = kfacx.LayerTag(
@@ -49,7 +49,7 @@ scaled_dense_tag = kfacx.LayerTag(
 
 
 def register_scaled_dense(y, x, w, log_scale):
-    """Marks ``y = exp(log_scale) * (x @ w)`` by hand; returns ``y`` unchanged."""
+    """Marks ``y = (x @ w) / exp(log_scale)`` by hand; returns ``y`` unchanged."""
     return scaled_dense_tag.bind(y, x, w, log_scale)[0]
 
 
@@ -75,7 +75,7 @@ def scaled_dense_parameters(eqns):
 scaled_dense_pattern = kfacx.GraphPattern(
     name="scaled_dense",
     tag_primitive=scaled_dense_tag,
-    compute_func=lambda x, params: jnp.exp(params[1]) * (x @ params[0]),
+    compute_func=lambda x, params: (x @ params[0]) / jnp.exp(params[1]),
     parameters_extractor_func=scaled_dense_parameters,
     example_args=[np.zeros((2, 3), np.float32), [np.zeros((3, 4), np.float32), np.float32(0)]],
     precedence=50,  # above the default "dense" pattern, which would claim w first
@@ -84,14 +84,14 @@ scaled_dense_pattern = kfacx.GraphPattern(
 
 
 # [block]
-# Step 3: a curvature block. The gradient of one example is ``x^T (s dy)`` for w
-# (s = exp(log_scale), dy the output cotangent) and ``sum(y * dy)`` for log_scale.
+# Step 3: a curvature block. The gradient of one example is ``x^T (dy / t)`` for w
+# (t = exp(log_scale), dy the output cotangent) and ``-sum(y * dy)`` for log_scale.
 # The block is block-diagonal over (w, log_scale): ``A (x) G`` with
-# A = E[x x^T], G = E[(s dy)(s dy)^T] for w, and E[sum(y * dy)^2] for log_scale.
+# A = E[x x^T], G = E[(dy / t)(dy / t)^T] for w, and E[sum(y * dy)^2] for log_scale.
 
 
 class ScaledDenseBlock(kfacx.CurvatureBlock):
-    """K-FAC block of ``exp(log_scale) * (x @ w)``: Kronecker for w, scalar for log_scale.
+    """K-FAC block of ``(x @ w) / exp(log_scale)``: Kronecker for w, scalar for log_scale.
 
     Powers are always exact (eigendecompositions of A and G, cached by
     `update_cache`), whatever ``exact_power`` says.
@@ -112,7 +112,7 @@ class ScaledDenseBlock(kfacx.CurvatureBlock):
         if mask is not None:
             weights = jnp.repeat(mask.astype(self.dtype), rows.shape[0] // mask.shape[0])
         a = (rows * weights[:, None]).T @ rows / jnp.maximum(jnp.sum(weights), 1.0)
-        scaled_dy = (jnp.exp(log_scale) * dy).reshape(-1, m).astype(self.dtype)
+        scaled_dy = (dy / jnp.exp(log_scale)).reshape(-1, m).astype(self.dtype)
         g = scaled_dy.T @ scaled_dy / batch_size
         per_example = jnp.sum((y[None] * dy).reshape(dy.shape[0], dy.shape[1], -1), axis=-1)
         s = jnp.sum(jnp.square(per_example.astype(self.dtype))) / batch_size
@@ -162,7 +162,7 @@ class ScaledDenseBlock(kfacx.CurvatureBlock):
 
 # [model]
 class ScaledDense(hk.Module):
-    """``exp(log_scale) * (x @ w)``: a dense layer with a learned log-temperature."""
+    """``(x @ w) / exp(log_scale)``: a dense layer with a learned log-temperature."""
 
     def __init__(self, output_size: int, tag_by_hand: bool = False, name: str | None = None):
         super().__init__(name=name)
@@ -173,7 +173,7 @@ class ScaledDense(hk.Module):
         init = hk.initializers.VarianceScaling(1.0, "fan_avg", "uniform")
         w = hk.get_parameter("w", (x.shape[-1], self.output_size), x.dtype, init)
         log_scale = hk.get_parameter("log_scale", (), x.dtype, jnp.zeros)
-        y = jnp.exp(log_scale) * (x @ w)
+        y = (x @ w) / jnp.exp(log_scale)
         return register_scaled_dense(y, x, w, log_scale) if self.tag_by_hand else y
 
 

@@ -1,5 +1,5 @@
-"""Parameter views: a layer's parameter built from parameter leaves by concatenation and
-slicing.
+"""Parameter views: a layer's parameter built from parameter leaves by concatenation,
+slicing and elementwise maps.
 
 A fused-gate LSTM multiplies once by ``concatenate([w_i, w_f, w_g, w_o], -1)``: one
 dense layer whose weight is not a leaf of the parameters but a *view* of four leaves;
@@ -13,14 +13,19 @@ hashable, as tag metadata must be):
 * ``("leaf", i)``: the tag's ``i``-th parameter operand;
 * ``("reshape", shape, e)``: ``e`` reshaped row-major (same size);
 * ``("slice", starts, limits, e)``: ``e[starts:limits]`` along every axis;
-* ``("concat", axis, (e, ...))``: the concatenation along ``axis``.
+* ``("concat", axis, (e, ...))``: the concatenation along ``axis``;
+* ``("map", name, args, e)``: an elementwise map of ``e`` with constant ``args``
+  (`kfacx._elementwise`: ``c * softplus(s)``, ``exp(log_scale)``, ``w * mask``).
 
 The layer's block is built for the parameters the expressions give (`effective`), and
-carried to the leaves by the view's gather (`effective`) and its transpose (`scatter`);
-see `kfacx.blocks.ViewBlock` and `kfacx.blocks.SlicedBlock`. Which entries of the
-leaves a view reads is a list of *boxes* (`read_boxes`), which tells whether layers
-reading slices of one leaf read disjoint parts of it and together all of it. Nothing
-here imports the rest of kfacx.
+carried to the leaves by the view's gather (`gather`: the expressions without their
+maps) and its transpose (`scatter`); see `kfacx.blocks.ViewBlock` and
+`kfacx.blocks.SlicedBlock`. A view with maps is ``w = f(P theta)`` for that gather ``P``
+and an elementwise ``f``: its Jacobian ``diag(f') P`` is carried by
+`kfacx.blocks.MappedBlock`. Which entries of the leaves a view reads is a list of
+*boxes* (`read_boxes`), which tells whether layers reading slices of one leaf read
+disjoint parts of it and together all of it. Nothing here imports the rest of kfacx
+but `kfacx._elementwise`.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from kfacx import _elementwise
 
 #: The tag metadata key that holds a layer's view expressions (one per parameter).
 VIEWS = "param_views"
@@ -49,18 +56,23 @@ def without_views(meta: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in meta.items() if k != VIEWS}
 
 
-def evaluate(expr: Expr, operands: Sequence[Any], xp: Any = jnp) -> Any:
-    """The array ``expr`` builds from ``operands`` (``xp``: `jax.numpy` or `numpy`)."""
+def evaluate(expr: Expr, operands: Sequence[Any], xp: Any = jnp, maps: bool = True) -> Any:
+    """The array ``expr`` builds from ``operands`` (``xp``: `jax.numpy` or `numpy`; without
+    ``maps``, its elementwise maps are left out: the gather of leaf entries it reads)."""
     kind = expr[0]
     if kind == "leaf":
         return operands[expr[1]]
     if kind == "reshape":
-        return xp.reshape(evaluate(expr[2], operands, xp), expr[1])
+        return xp.reshape(evaluate(expr[2], operands, xp, maps), expr[1])
     if kind == "slice":
         index = tuple(slice(s, e) for s, e in zip(expr[1], expr[2], strict=True))
-        return evaluate(expr[3], operands, xp)[index]
+        return evaluate(expr[3], operands, xp, maps)[index]
     if kind == "concat":
-        return xp.concatenate([evaluate(e, operands, xp) for e in expr[2]], axis=expr[1])
+        parts = [evaluate(e, operands, xp, maps) for e in expr[2]]
+        return xp.concatenate(parts, axis=expr[1])
+    if kind == "map":
+        inner = evaluate(expr[3], operands, xp, maps)
+        return _elementwise.apply(expr[1], expr[2], inner) if maps else inner
     raise ValueError(f"Unknown parameter view expression {expr!r}.")
 
 
@@ -69,8 +81,38 @@ def effective(operands: Sequence[Any], views: Sequence[Expr], xp: Any = jnp) -> 
     return tuple(evaluate(e, operands, xp) for e in views)
 
 
+def gather(operands: Sequence[Any], views: Sequence[Expr], xp: Any = jnp) -> tuple:
+    """`effective` without the elementwise maps: the leaf entries each parameter entry
+    reads (linear; the views' Jacobian is ``diag(f') P`` of this gather ``P``)."""
+    return tuple(evaluate(e, operands, xp, maps=False) for e in views)
+
+
+def has_maps(views: Sequence[Expr]) -> bool:
+    """Whether any expression holds an elementwise map."""
+    return any(map_labels(views))
+
+
+def map_labels(views: Sequence[Expr]) -> list[str]:
+    """The report's words for the views' elementwise maps (`kfacx._elementwise.label`), in
+    the order they are applied (``c * softplus(s)``: softplus, scaled), without repeats."""
+    out: list[str] = []
+
+    def visit(expr: Expr) -> None:
+        if expr[0] == "concat":
+            for e in expr[2]:
+                visit(e)
+        elif expr[0] != "leaf":
+            visit(expr[-1])
+        if expr[0] == "map":
+            out.append(_elementwise.label(expr[1], expr[2]))
+
+    for e in views:
+        visit(e)
+    return list(dict.fromkeys(out))
+
+
 def scatter(parameters: Sequence[Any], views: Sequence[Expr], like: Sequence[Any]) -> tuple:
-    """The transpose of `effective`: arrays shaped like the layer's parameters back onto
+    """The transpose of `gather`: arrays shaped like the layer's parameters back onto
     the operands (``like``: arrays or shape-dtype structs of the operands), each entry
     added to the operand entry it was read from."""
     specs = [jax.ShapeDtypeStruct(jnp.shape(o), jnp.result_type(o)) for o in like]
@@ -78,7 +120,7 @@ def scatter(parameters: Sequence[Any], views: Sequence[Expr], like: Sequence[Any
         jnp.asarray(p, jnp.result_type(*_leaf_dtypes(e, specs)))
         for p, e in zip(parameters, views, strict=True)
     )
-    transpose = jax.linear_transpose(lambda *ops: effective(ops, views), *specs)
+    transpose = jax.linear_transpose(lambda *ops: gather(ops, views), *specs)
     return tuple(transpose(parameters))
 
 
@@ -95,6 +137,8 @@ def shape(expr: Expr, operand_shapes: Sequence[Sequence[int]]) -> tuple[int, ...
         return tuple(expr[1])
     if kind == "slice":
         return tuple(e - s for s, e in zip(expr[1], expr[2], strict=True))
+    if kind == "map":
+        return shape(expr[3], operand_shapes)
     parts = [shape(e, operand_shapes) for e in expr[2]]
     axis = expr[1]
     return (*parts[0][:axis], sum(p[axis] for p in parts), *parts[0][axis + 1 :])
@@ -115,7 +159,7 @@ def is_sliced(expr: Expr) -> bool:
         return True
     if expr[0] == "concat":
         return any(is_sliced(e) for e in expr[2])
-    return expr[0] == "reshape" and is_sliced(expr[2])
+    return expr[0] in ("reshape", "map") and is_sliced(expr[-1])
 
 
 def is_permutation(views: Sequence[Expr], operand_shapes: Sequence[Sequence[int]]) -> bool:
@@ -140,7 +184,7 @@ def positions(views: Sequence[Expr], operand_shapes: Sequence[Sequence[int]]) ->
         np.arange(o, o + n).reshape(s)
         for o, n, s in zip(offsets, sizes, operand_shapes, strict=False)
     ]
-    return np.concatenate([np.ravel(a) for a in effective(index, views, np)])
+    return np.concatenate([np.ravel(a) for a in gather(index, views, np)])
 
 
 def describe(expr: Expr, names: Sequence[str]) -> str:
@@ -154,6 +198,8 @@ def describe(expr: Expr, names: Sequence[str]) -> str:
     if kind == "slice":
         cut = ", ".join(f"{s}:{e}" for s, e in zip(expr[1], expr[2], strict=True))
         return f"{describe(expr[3], names)}[{cut}]"
+    if kind == "map":
+        return _elementwise.describe(expr[1], expr[2], describe(expr[3], names))
     return f"concat[{expr[1]}]({', '.join(describe(e, names) for e in expr[2])})"
 
 
@@ -168,13 +214,19 @@ def read_boxes(expr: Expr) -> list[Box] | None:
     kind = expr[0]
     if kind == "leaf":
         return [(expr[1], None, None)]
-    if kind == "reshape":
-        return read_boxes(expr[2])
+    if kind in ("reshape", "map"):
+        return read_boxes(expr[-1])
     if kind == "slice":
-        inner = expr[3]
+        inner = _without_maps(expr[3])
         return [(inner[1], tuple(expr[1]), tuple(expr[2]))] if inner[0] == "leaf" else None
     parts = [read_boxes(e) for e in expr[2]]
     return None if any(p is None for p in parts) else [b for p in parts for b in p]
+
+
+def _without_maps(expr: Expr) -> Expr:
+    while expr[0] == "map":
+        expr = expr[3]
+    return expr
 
 
 def all_boxes(views: Sequence[Expr]) -> list[Box] | None:

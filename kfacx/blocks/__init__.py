@@ -8,7 +8,9 @@ vector. Abstract bases: `CurvatureBlock` and `TwoKroneckerFactored`.
 serves a 2-D weight used by dense and embedding layers of different kinds
 (tied input/output embeddings, ``w`` and ``w.T``); `ViewBlock` serves a layer whose
 parameters are concatenations of parameter leaves (fused-gate LSTMs), `SlicedBlock`
-parameters split into slices between layers (``hk.GRU``). `block_norm` computes a
+parameters split into slices between layers (``hk.GRU``), `MappedBlock` a parameter
+passed through an elementwise map before its layer (``x * softplus(s)``,
+``w * mask``). `block_norm` computes a
 block's matrix norms (for scaling the damping per block).
 """
 
@@ -45,6 +47,7 @@ from kfacx.blocks._kronecker import (
     TwoKroneckerFactored,
 )
 from kfacx.blocks._make import layer_block
+from kfacx.blocks._mapped import MAP_SCALES, MappedBlock, MappedCache
 from kfacx.blocks._norms import NORM_TYPES, Factor, block_norm, check_norm_type, kronecker_pieces
 from kfacx.blocks._reduce import ConvTwoKroneckerFactoredReduce, DenseTwoKroneckerFactoredReduce
 from kfacx.blocks._sliced import SLICED_TAG, SlicedBlock
@@ -87,6 +90,9 @@ __all__ = [
     "NORM_TYPES",
     "Factor",
     "LayerInfo",
+    "MAP_SCALES",
+    "MappedBlock",
+    "MappedCache",
     "ScaleAndShiftDiagonal",
     "SLICED_TAG",
     "ScaleAndShiftFull",

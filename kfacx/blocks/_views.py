@@ -12,6 +12,11 @@ to the leaves: a vector of leaves is gathered into the effective parameters
 permutation ``P`` of the flattened parameters, and the block is ``P^T C P`` with ``C``
 the inner block's matrix: its powers are ``P^T (C + l I)^p P``, exactly the inner
 block's, and the curvature is that of the layer written with one fused weight leaf.
+
+A view with elementwise maps (``x * (c * softplus(s))``, ``h @ (w * mask)``) computes
+``w = f(P theta)``: the inner block is then a `kfacx.blocks.MappedBlock` of the layer's
+block, which carries it through the map's diagonal Jacobian (``P^T D C D P``); the
+statistics get the effective parameters ``f(P theta)`` and ``f'`` (one `jax.jvp`).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from kfacx.blocks._base import (
     Params,
     statistics_of,
 )
+from kfacx.blocks._mapped import MAP_SCALES, MappedBlock
 from kfacx.blocks._norms import kronecker_pieces
 
 
@@ -60,7 +66,8 @@ class ViewBlock(CurvatureBlock):
       layer: the layer, with one view expression per parameter under
         `kfacx._views.VIEWS` in its metadata and the leaves as its parameters.
       inner_ctor: the block class (or factory taking a `LayerInfo`) of the layer
-        written with its effective parameters (`effective_layer`).
+        written with its effective parameters (`effective_layer`); for views with
+        elementwise maps it is wrapped in a `kfacx.blocks.MappedBlock`.
       partial: whether the views may read slices of the leaves (each entry at most
         once): the block of one slice of a `kfacx.blocks.SlicedBlock`, whose products
         are zero on the entries it does not read.
@@ -97,7 +104,9 @@ class ViewBlock(CurvatureBlock):
             )
         super().__init__(layer)
         self.views = tuple(views)
-        self.inner = inner_ctor(effective_layer(layer))
+        self.mapped = _views.has_maps(self.views)
+        info = effective_layer(layer)
+        self.inner = MappedBlock(info, inner_ctor) if self.mapped else inner_ctor(info)
         self.dtype = self.inner.dtype
 
     @property
@@ -110,8 +119,19 @@ class ViewBlock(CurvatureBlock):
     # ---------------------------------------------------------------- conversions
 
     def gather(self, vector: Sequence[jax.Array]) -> Params:
-        """Arrays shaped like the leaves -> arrays shaped like the effective parameters."""
-        return _views.effective(tuple(vector), self.views)
+        """Arrays shaped like the leaves -> arrays shaped like the effective parameters
+        (the entries they read: the views without their elementwise maps, linear)."""
+        return _views.gather(tuple(vector), self.views)
+
+    def parameters_and_scales(self, leaves: Sequence[jax.Array]) -> tuple[Params, Params]:
+        """The effective parameters ``f(P theta)`` of the leaves ``theta``, and ``f'`` at
+        them (ones without maps), shaped like the effective parameters."""
+        leaves = tuple(leaves)
+        if not self.mapped:
+            values = _views.effective(leaves, self.views)
+            return values, tuple(jnp.ones_like(v) for v in values)
+        ones = tuple(jnp.ones_like(x) for x in leaves)
+        return jax.jvp(lambda *ops: _views.effective(ops, self.views), leaves, ones)
 
     def scatter(self, parameters: Sequence[jax.Array]) -> Params:
         """The transpose of `gather` (its inverse when the view is a permutation; zeros on
@@ -160,10 +180,13 @@ class ViewBlock(CurvatureBlock):
     def compute_statistics(
         self, estimation_data: Mapping[str, Any], batch_size: Any, state: Any = None
     ) -> tuple[jax.Array, ...]:
-        """The inner block's statistics, its ``"params"`` the effective parameters."""
+        """The inner block's statistics, its ``"params"`` the effective parameters (and,
+        with maps, ``MAP_SCALES`` their derivatives, `parameters_and_scales`)."""
         data = dict(estimation_data)
         if "params" in data:
-            data["params"] = self.gather(data["params"])
+            data["params"], scales = self.parameters_and_scales(data["params"])
+            if self.mapped:
+                data[MAP_SCALES] = scales
         return statistics_of(self.inner, data, batch_size, state)
 
     def update_from_statistics(
@@ -213,7 +236,7 @@ class ViewBlock(CurvatureBlock):
     # ---------------------------------------------------------------- dense matrix
 
     def to_dense_matrix(self, state: BlockState) -> jax.Array:
-        """``P^T C P``: the inner block's matrix over the leaves."""
+        """``P^T C P``: the inner block's matrix over the leaves (``C = D C_w D`` with maps)."""
         inner = self.inner.to_dense_matrix(state)
         index = _views.positions(self.views, self.parameters_shapes)
         dense = jnp.zeros((self.dim, self.dim), inner.dtype)

@@ -14,9 +14,10 @@ import numpy as np
 
 from kfacx import _jaxpr, _user_warnings, tags
 from kfacx._paths import checked_param_paths, param_origins
-from kfacx.graph_matcher import _views
+from kfacx.graph_matcher import _elementwise, _views
+from kfacx.graph_matcher._claims import MANUAL, AmbiguousPatternsError
 from kfacx.graph_matcher._defaults import DEFAULT_GRAPH_PATTERNS
-from kfacx.graph_matcher._match import MANUAL, AmbiguousPatternsError, Match, find_matches
+from kfacx.graph_matcher._match import Match, find_matches
 from kfacx.graph_matcher._pattern import GraphPattern
 from kfacx.graph_matcher._report import RegistrationEntry, RegistrationReport
 
@@ -54,18 +55,19 @@ class _Plan:
 
 
 def _plan(
-    jaxpr, origins, patterns, claims: dict, notes: list, depth: int = 0, batch_sizes=None
+    jaxpr, origins, patterns, claims: dict, notes: list, depth=0, batch_sizes=None, consts=None
 ) -> _Plan:
     """Matches in ``jaxpr`` and, recursively, in call bodies, cond branches and (nested)
-    scan bodies; ``depth`` counts the scans around ``jaxpr``; ``batch_sizes``: see
-    `find_matches`.
+    scan bodies; ``depth`` counts the scans around ``jaxpr``; ``batch_sizes`` and
+    ``consts`` (its `kfacx.graph_matcher._elementwise.Constants`): see `find_matches`.
 
     Origins follow `kfacx._jaxpr.bodies`: inside a scan body, parameters closed over
     (consts) keep their leaf index and scanned-over ones (xs) are labelled
     `kfacx._jaxpr.ScanSlice` (stacked layers); a cond branch sees the labels of the
     cond's operands after the index.
     """
-    matches = find_matches(jaxpr, origins, patterns, claims, notes, batch_sizes)
+    consts = consts or _elementwise.Constants(jaxpr)
+    matches = find_matches(jaxpr, origins, patterns, claims, notes, batch_sizes, consts)
     if depth:
         matches = _without_stacked_dense(matches, notes)
     children = {}
@@ -87,6 +89,7 @@ def _plan(
                 notes,
                 depth + (b.scan is not None),
                 batch_sizes,
+                _elementwise.body_constants(consts, eqn, b),
             )
             for b in inner
         )
@@ -284,7 +287,7 @@ def auto_register_tags(
     invars = closed.jaxpr.invars
     shapes = {o: v.aval.shape for o, v in zip(origins, invars, strict=True) if o is not None}
     sizes = _batch_sizes(func_args, params_index)
-    plan, notes = _detect(closed.jaxpr, origins, list(graph_patterns), paths, shapes, sizes)
+    plan, notes = _detect(closed, origins, list(graph_patterns), paths, shapes, sizes)
     for note in notes:
         _warn(f"kfacx: {note}")
     sources = _sources(manual, plan)
@@ -322,20 +325,21 @@ def _batch_sizes(func_args: tuple, params_index: int) -> frozenset[int]:
 
 
 def _detect(
-    jaxpr, origins, patterns: list[GraphPattern], paths: list[str], shapes: dict, batch_sizes
+    closed, origins, patterns: list[GraphPattern], paths: list[str], shapes: dict, batch_sizes
 ):
-    """``(plan, notes)``: the matches of ``patterns`` (parameters tagged by hand are kept
-    as they are; layers reading slices of a parameter (``shapes``: leaf -> shape) of which
-    others are no layer's are dropped, `_drop_incomplete_slices`) and the notes for the
-    user, with parameter paths, without repeats.
+    """``(plan, notes)``: the matches of ``patterns`` in ``closed`` (parameters tagged by
+    hand are kept as they are; layers reading slices of a parameter (``shapes``: leaf ->
+    shape) of which others are no layer's are dropped, `_drop_incomplete_slices`) and the
+    notes for the user, with parameter paths, without repeats.
 
     Raises:
       ValueError: if two patterns of equal precedence match one layer.
     """
     raw_notes: list[tuple[str, tuple[int, ...]]] = []
+    jaxpr, consts = closed.jaxpr, _elementwise.Constants(closed.jaxpr, closed.consts)
     claims = _manual_claims(jaxpr, origins)
     try:
-        plan = _plan(jaxpr, origins, patterns, dict(claims), raw_notes, batch_sizes=batch_sizes)
+        plan = _plan(jaxpr, origins, patterns, dict(claims), raw_notes, 0, batch_sizes, consts)
     except AmbiguousPatternsError as e:
         raise ValueError(f"{e} Parameters: {[paths[i] for i in e.leaves]}.") from e
     _drop_incomplete_slices(plan, shapes, raw_notes)

@@ -26,7 +26,8 @@ import jax.extend as jex
 
 from kfacx import _jaxpr
 from kfacx import _views as views_meta
-from kfacx.graph_matcher import _views
+from kfacx.graph_matcher import _elementwise, _views
+from kfacx.graph_matcher._claims import MANUAL, can_tie, check_unambiguous, claim_key
 from kfacx.graph_matcher._pattern import OUTPUT_PERMUTATION, GraphPattern
 from kfacx.graph_matcher._verify import SHAPE_ONLY, verified
 
@@ -39,7 +40,8 @@ class Match:
 
     Attributes:
       pattern: the matched `GraphPattern`.
-      eqns: the matched equations (images of the pattern's equations), in jaxpr order.
+      eqns: the matched equations (images of the pattern's equations, and the
+        elementwise maps of its parameters), in jaxpr order.
       input_vars: the values bound to the pattern's inputs.
       param_vars: the parameter-leaf values bound to the pattern's parameters.
       param_leaves: the parameter-leaf indices of ``param_vars``.
@@ -69,10 +71,13 @@ class Match:
 class _Graph:
     """Producers, users and parameter origins of one (open) jaxpr; its equations by
     primitive name; the leading sizes the batch's arrays have (None: unknown); the match
-    that owns each claimed equation (by id)."""
+    that owns each claimed equation (by id); its constants (`_elementwise.Constants`)."""
 
-    def __init__(self, jaxpr: jex.core.Jaxpr, origins: Sequence[Any], batch_sizes=None):
+    def __init__(
+        self, jaxpr: jex.core.Jaxpr, origins: Sequence[Any], batch_sizes=None, consts=None
+    ):
         self.jaxpr = jaxpr
+        self.constants = consts or _elementwise.Constants(jaxpr)
         self.batch_sizes = None if batch_sizes is None else frozenset(batch_sizes)
         self.origin = dict(zip(jaxpr.invars, origins, strict=True))
         self.order = {id(e): i for i, e in enumerate(jaxpr.eqns)}
@@ -232,40 +237,6 @@ def _internal_values_escape(graph: _Graph, eqns: list[Any], output_var) -> bool:
     return False
 
 
-#: The claim of a parameter that is tagged by hand in the model.
-MANUAL = ("manual",)
-
-
-def claim_key(tag_name: str, leaves: Sequence[int], meta: dict, stacked: bool = False) -> tuple:
-    """What a layer claims of its parameters: a later match may share them (tied
-    weights) only if it is the same kind of layer on the same parameters (stacked
-    slices of them, or the whole parameters)."""
-    return (tag_name, tuple(leaves), tuple(sorted(meta.items())), stacked)
-
-
-#: Layer tags whose uses of one 2-D weight a tied block serves together
-#: (`kfacx.blocks.TiedKroneckerFactored`): tied embeddings, w and w.T.
-TIEABLE_TAGS = ("dense_tag", "embedding_tag")
-
-
-def can_tie(key: tuple, other: tuple, shapes: dict[int, tuple[int, ...]]) -> bool:
-    """Whether two layers (`claim_key`s) that share parameters make one tied layer: both
-    dense or embedding layers, not stacked, sharing one 2-D weight, their first parameter
-    (``shapes``: leaf -> shape)."""
-    shared = set(key[1]) & set(other[1])
-    if len(shared) != 1 or key[3] or other[3]:
-        return False
-    if any(views_meta.VIEWS in dict(k[2]) for k in (key, other)):
-        return False  # (a tied block serves whole weights)
-    (leaf,) = shared
-    return (
-        key[0] in TIEABLE_TAGS
-        and other[0] in TIEABLE_TAGS
-        and key[1][0] == leaf == other[1][0]
-        and len(shapes.get(leaf, ())) == 2
-    )
-
-
 def _try_match(pattern, graph, t_eqn, claimed, claims, notes) -> Match | None:
     """The match of ``pattern`` whose output equation is ``t_eqn``, if it unifies, passes
     the numerical check and kfacx can serve it (else None, and maybe a note)."""
@@ -305,6 +276,7 @@ def _structural_match(pattern, graph, t_eqn, claimed) -> Match | None:
         if not _views.servable(pattern, meta, exprs, shapes, stacked):
             return None
         meta[views_meta.VIEWS] = exprs
+    eqns = sorted([*eqns, *_elementwise.map_eqns(view_eqns)], key=lambda e: graph.order[id(e)])
     match = Match(pattern, eqns, inputs, params, leaves, tv, meta, stacked, permutation)
     match.view_eqns = view_eqns
     return match
@@ -426,6 +398,7 @@ def find_matches(
     claims: dict[int, tuple],
     notes: list[tuple[str, tuple[int, ...]]] | None = None,
     batch_sizes: Sequence[int] | None = None,
+    constants: _elementwise.Constants | None = None,
 ) -> list[Match]:
     """All non-overlapping matches in one jaxpr (not its sub-jaxprs).
 
@@ -437,17 +410,20 @@ def find_matches(
     them; ``claims`` is updated with the new matches. Parameter
     reuse that cannot be served is appended to ``notes`` as ``(text, leaves)``.
     ``batch_sizes``: the leading sizes of the batch's arrays, which the result of a
-    pattern without inputs must have first (None: any).
+    pattern without inputs must have first (None: any); ``constants``: its values that
+    depend on no input (for elementwise maps of parameters, ``w * mask``; None: literals
+    and what they compute).
     """
     notes = [] if notes is None else notes
-    graph = _Graph(jaxpr, origins, batch_sizes)
+    graph = _Graph(jaxpr, origins, batch_sizes, constants)
     _views.mixed_concatenation_notes(graph, notes)
     claimed: set[int] = set()
     matches: list[Match] = []
     for precedence in sorted({p.precedence for p in patterns}, reverse=True):
         group = [p for p in patterns if p.precedence == precedence]
         found = [_match_pattern(p, graph, set(claimed), dict(claims), notes) for p in group]
-        _check_unambiguous(group, found)
+        found = _elementwise.prefer_unmapped(found)
+        check_unambiguous(group, found)
         for pattern_matches in found:
             for match in pattern_matches:
                 matches.append(match)
@@ -474,48 +450,3 @@ def _match_pattern(pattern, graph: _Graph, claimed: set[int], claims: dict, note
         key = claim_key(pattern.tag_primitive.name, match.param_leaves, match.meta, match.stacked)
         _views.claim(claims, match.param_leaves, key)
     return out
-
-
-class AmbiguousPatternsError(ValueError):
-    """Two patterns of equal precedence match the same equations or parameters."""
-
-    def __init__(self, first: GraphPattern, second: GraphPattern, leaves: Sequence[int]):
-        self.patterns = (first, second)
-        self.leaves = tuple(leaves)
-        super().__init__(
-            f"Patterns {first.name!r} and {second.name!r} (both precedence {first.precedence}) "
-            f"match the same layer (parameter leaves {self.leaves}); give one of them a higher "
-            "precedence, or remove one."
-        )
-
-
-def _check_unambiguous(group: Sequence[GraphPattern], found: Sequence[list[Match]]) -> None:
-    """Raises if two patterns of the group claim the same equations, or the same
-    parameters in a way no block serves together (a tied weight is not ambiguous)."""
-    owner_eqn: dict[int, GraphPattern] = {}
-    owner_leaf: dict[int, tuple[GraphPattern, Match]] = {}
-    for pattern, pattern_matches in zip(group, found, strict=True):
-        for m in pattern_matches:
-            others = [owner_eqn.get(id(e)) for e in m.eqns]
-            for leaf in m.param_leaves:
-                if leaf in owner_leaf and not _tied(owner_leaf[leaf][1], m):
-                    others.append(owner_leaf[leaf][0])
-            other = next((o for o in others if o is not None and o is not pattern), None)
-            if other is not None:
-                raise AmbiguousPatternsError(other, pattern, m.param_leaves)
-            owner_eqn.update({id(e): pattern for e in m.eqns})
-            owner_leaf.update({leaf: (pattern, m) for leaf in m.param_leaves})
-
-
-def _tied(first: Match, second: Match) -> bool:
-    keys = [
-        claim_key(m.pattern.tag_primitive.name, m.param_leaves, m.meta, m.stacked)
-        for m in (first, second)
-    ]
-    shapes = {
-        leaf: tuple(v.aval.shape)
-        for m in (first, second)
-        for leaf, v in zip(m.param_leaves, m.param_vars, strict=True)
-    }
-    shared = keys[0] == keys[1] or _views.can_share_slices(keys[0], keys[1:])
-    return shared or can_tie(keys[0], keys[1], shapes)

@@ -43,11 +43,24 @@ def _subgraph_eqns(graph: _Graph, eqns, param_vars, view_eqns=()) -> list[Any]:
     sources = [*param_vars, *(v for e in view_eqns for v in e.outvars)]
     chain_eqns = {id(e): e for e in view_eqns}
     chain_eqns.update({id(e): e for pv in sources for e in _chains_from(graph, pv)})
-    return sorted(list(chain_eqns.values()) + eqns, key=lambda e: graph.order[id(e)])
+    chain_eqns.update({id(e): e for e in eqns})
+    return sorted(chain_eqns.values(), key=lambda e: graph.order[id(e)])
 
 
-def _evaluate_subgraph(todo, input_vars, param_vars, inputs, params, output_var):
-    env = dict(zip(input_vars, inputs, strict=True)) | dict(zip(param_vars, params, strict=True))
+def _constants(graph: _Graph, todo) -> dict[Any, Any]:
+    """The known constants the equations read (those of elementwise maps: ``w * mask``)."""
+    values = graph.constants.values
+    return {
+        v: values[v]
+        for e in todo
+        for v in e.invars
+        if not isinstance(v, jex.core.Literal) and values.get(v) is not None
+    }
+
+
+def _evaluate_subgraph(todo, input_vars, param_vars, inputs, params, output_var, consts=None):
+    env = dict(consts or {})
+    env |= dict(zip(input_vars, inputs, strict=True)) | dict(zip(param_vars, params, strict=True))
     _jaxpr.eval_eqns(_computable(todo, env), env)
     return env[output_var]
 
@@ -133,12 +146,13 @@ def verified(match: Match, graph: _Graph) -> bool:
         return True
     todo = _subgraph_eqns(graph, match.eqns, match.param_vars, match.view_eqns)
     key = _structure(match, todo)
+    consts = _constants(graph, todo)
     if key is None:
-        return _check_numerically(match, todo)
+        return _check_numerically(match, todo, consts)
     if key not in _VERIFIED:
         if len(_VERIFIED) >= _VERIFIED_MAX:
             _VERIFIED.clear()
-        _VERIFIED[key] = _check_numerically(match, todo)
+        _VERIFIED[key] = _check_numerically(match, todo, consts)
     return _VERIFIED[key]
 
 
@@ -156,7 +170,7 @@ def _narrowest_float_itemsize(match: Match, todo) -> int:
     return min(sizes, default=4)
 
 
-def _check_numerically(match: Match, todo) -> bool:
+def _check_numerically(match: Match, todo, consts=None) -> bool:
     compute = match.pattern.tag_primitive.compute
     rng = np.random.default_rng(0)
 
@@ -178,6 +192,7 @@ def _check_numerically(match: Match, todo) -> bool:
                 inputs,
                 params,
                 match.output_var,
+                consts,
             )
             tag_inputs = match.pattern.tag_inputs(inputs, params, want)
             views = _views.views_of(match.meta)

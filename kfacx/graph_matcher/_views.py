@@ -1,12 +1,14 @@
-"""Pattern parameters seen through views: a layer's weight concatenated from leaves, or
-a slice of one.
+"""Pattern parameters seen through views: a layer's weight concatenated from leaves, a
+slice of one, or an elementwise map of such.
 
 A fused-gate recurrent cell multiplies by ``concatenate([w_i, w_f, w_g, w_o], -1)``
 (Flax's ``OptimizedLSTMCell``), or by ``concatenate([w_x, w_h], 0)`` on
 ``concatenate([x, h])``; ``hk.GRU`` splits ``w_h`` between two products with
 ``jnp.split``. The matcher binds a pattern parameter to such a concatenation or slice
 of parameter leaves (`resolve`: each piece a leaf seen through shape-only operations,
-a ``slice`` / ``split`` of a leaf, or a nested concatenation) as a `View`; the match
+a ``slice`` / ``split`` of a leaf, or a nested concatenation; any of these through
+elementwise maps with constants, `kfacx.graph_matcher._elementwise`: ``c * softplus(s)``,
+``w * mask``) as a `View`; the match
 then takes the leaves as its parameters and records, under `kfacx._views.VIEWS` in
 the tag's metadata, the expressions that build the layer's parameters from them
 (`flatten`).
@@ -18,7 +20,9 @@ Served:
 * views that read slices of leaves, when the layers reading slices of the same leaves
   read disjoint slices (`can_share_slices`; their claims on a leaf are a
   `SlicedClaim`), form one group (`one_group`) and together read every entry
-  (`incomplete_slices`): `kfacx.blocks.SlicedBlock`, a block per slice.
+  (`incomplete_slices`): `kfacx.blocks.SlicedBlock`, a block per slice;
+* either with elementwise maps: the layer's block wrapped in a
+  `kfacx.blocks.MappedBlock`, carried through the maps' diagonal Jacobian.
 
 Anything else stays on the fallback block with a note: a concatenation that mixes
 parameters with other values before a product (`mixed_concatenation_notes`), slices
@@ -36,6 +40,7 @@ from typing import Any
 import jax.extend as jex
 
 from kfacx import _jaxpr, _views
+from kfacx.graph_matcher import _elementwise
 from kfacx.graph_matcher._verify import SHAPE_ONLY
 
 #: The note of a concatenation that mixes parameters with other values (its leaves are
@@ -104,11 +109,15 @@ def resolve(graph, var) -> Any:
 
 
 def _view_expr(graph, var, leaves: list, eqns: list) -> tuple | None:
-    """The expression of ``var`` as a concatenation (nested ones too) or a slice of leaves,
-    collecting its leaves and equations; None if it is neither."""
+    """The expression of ``var`` as a concatenation (nested ones too), a slice of leaves or
+    an elementwise map of such (`kfacx.graph_matcher._elementwise`), collecting its
+    leaves and equations; None if it is none of these."""
     eqn = graph.producer.get(var)
     if eqn is None:
         return None
+    step = _elementwise.map_step(graph, eqn)
+    if step is not None:
+        return _map_expr(graph, eqn, step, leaves, eqns)
     if eqn.primitive.name == "concatenate":
         pieces = [_piece(graph, operand, leaves, eqns) for operand in eqn.invars]
         if any(p is None for p in pieces):
@@ -124,6 +133,23 @@ def _view_expr(graph, var, leaves: list, eqns: list) -> tuple | None:
         return None  # (a slice of a reshaped leaf is no box of it)
     eqns.extend([*chain, eqn])
     return ("slice", *box, ("leaf", _position(leaves, leaf)))
+
+
+#: The most equations a view is followed through (a long chain of elementwise maps of
+#: activations is no parameter's, and is given up early).
+_MAX_VIEW_EQNS = 64
+
+
+def _map_expr(graph, eqn, step: tuple, leaves: list, eqns: list) -> tuple | None:
+    """``("map", name, args, e)`` for a map of parameters (``step``: `map_step`'s), or None."""
+    if len(eqns) >= _MAX_VIEW_EQNS:
+        return None
+    inner = _piece(graph, step[2], leaves, eqns)
+    args = None if inner is None else _elementwise.map_args(graph, eqn, step)
+    if args is None:
+        return None
+    eqns.append(eqn)
+    return ("map", step[0], args, inner)
 
 
 def _slice_box(eqn, var) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
@@ -223,10 +249,20 @@ def sliced(meta: dict) -> bool:
 
 def source_name(pattern_name: str, meta: dict) -> str:
     """The report's "found by" of a match: the pattern's name, marked ``(sliced)`` or
-    ``(concatenated)`` when its parameters are views."""
-    if sliced(meta):
-        return f"{pattern_name} (sliced)"
-    return f"{pattern_name} (concatenated)" if _views.VIEWS in meta else pattern_name
+    ``(concatenated)`` when its parameters are views, and with their elementwise maps,
+    e.g. ``scale (softplus, scaled)``, ``dense (masked)``."""
+    views = _views.views_of(meta) or ()
+    marks = ["sliced"] if sliced(meta) else []
+    if not marks and any(map(_has_concat, views)):
+        marks.append("concatenated")
+    marks += _views.map_labels(views)
+    return f"{pattern_name} ({', '.join(marks)})" if marks else pattern_name
+
+
+def _has_concat(expr: tuple) -> bool:
+    if expr[0] == "concat":
+        return True
+    return expr[0] != "leaf" and _has_concat(expr[-1])
 
 
 # ----------------------------------------------------------------------------- slices
@@ -234,7 +270,7 @@ def source_name(pattern_name: str, meta: dict) -> str:
 
 def claim_boxes(key: tuple) -> list | None:
     """The boxes of leaf entries a sliced layer reads, from its claim key
-    (`kfacx.graph_matcher._match.claim_key`: tag, leaves, sorted metadata, stacked),
+    (`kfacx.graph_matcher._claims.claim_key`: tag, leaves, sorted metadata, stacked),
     with leaf indices; None if it reads no slices."""
     meta = dict(key[2])
     if not sliced(meta):

@@ -561,8 +561,8 @@ def raw_cases() -> list[Case]:
 
 
 def unmatched_loss(kind: str) -> Callable[..., jax.Array]:
-    """A dense layer and a parameter ``p`` no pattern matches (``sin(p) * y`` or ``exp``)."""
-    fn = {"sin": jnp.sin, "exp": jnp.exp}[kind]
+    """A dense layer and a parameter ``p`` no pattern matches (``sin(p) * y`` or ``tanh``)."""
+    fn = {"sin": jnp.sin, "tanh": jnp.tanh}[kind]
 
     def loss(params, batch):
         x, t = batch
