@@ -8,9 +8,7 @@ cache runs tests/test_optimizer.py in a fifth of the time of a cold one), so:
   the CPU time, and every tolerance still holds (tests that compare against XLA's own
   defaults pass them as ``compiler_options``);
 * the xdist workers share one JAX compilation cache, made fresh for the run, so a
-  program that several tests compile is compiled once; programs that compile in under
-  0.3 s (the eager operations of the comparisons) are not written to it, which saves
-  more than sharing them would (5 % of tests/test_estimator.py's time).
+  program that several tests compile is compiled once.
 
 ``KFACX_TEST_XLA_DEFAULTS=1`` runs the suite with XLA's default options and no cache.
 """
@@ -44,7 +42,7 @@ import jax  # noqa: E402
 jax.config.update("jax_numpy_rank_promotion", "raise")
 if _CACHE in os.environ:
     jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.3)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
