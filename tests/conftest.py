@@ -4,11 +4,9 @@ Most of the suite's time is XLA compiling small K-FAC steps (a warm compilation
 cache runs tests/test_optimizer.py in a fifth of the time of a cold one), so:
 
 * every compilation uses XLA's classic CPU fusion emitters and LLVM optimisation
-  level 0 without LLVM's expensive passes (XLA's defaults: the MLIR emitters, level 2,
-  all passes): the suite takes about half the CPU time (the expensive passes alone were
-  a fifth of tests/test_estimator.py's and tests/blocks/test_blocks.py's), and every
-  tolerance still holds (tests that compare against XLA's own defaults pass them as
-  ``compiler_options``);
+  level 0 (XLA's defaults: the MLIR emitters and level 2): the suite takes about half
+  the CPU time, and every tolerance still holds (tests that compare against XLA's own
+  defaults pass them as ``compiler_options``);
 * the xdist workers share one JAX compilation cache, made fresh for the run, so a
   program that several tests compile is compiled once.
 
@@ -21,10 +19,7 @@ import shutil
 import tempfile
 
 _DEVICES = "--xla_force_host_platform_device_count=4"
-_FAST = (
-    "--xla_cpu_use_fusion_emitters=false --xla_backend_optimization_level=0"
-    " --xla_llvm_disable_expensive_passes=true"
-)
+_FAST = "--xla_cpu_use_fusion_emitters=false --xla_backend_optimization_level=0"
 _CACHE = "KFACX_TEST_COMPILATION_CACHE"
 
 # Must happen before JAX is imported anywhere. The environment reaches the xdist
