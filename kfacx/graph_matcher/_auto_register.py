@@ -284,10 +284,8 @@ def auto_register_tags(
     paths = list(checked_param_paths(func_args[params_index]))
     origins = param_origins(func_args, params_index, len(closed.jaxpr.invars))
     manual = _tagged_leaves(closed.jaxpr, origins)
-    invars = closed.jaxpr.invars
-    shapes = {o: v.aval.shape for o, v in zip(origins, invars, strict=True) if o is not None}
     sizes = _batch_sizes(func_args, params_index)
-    plan, notes = _detect(closed, origins, list(graph_patterns), paths, shapes, sizes)
+    plan, notes = _detect(closed, origins, list(graph_patterns), paths, sizes)
     for note in notes:
         _warn(f"kfacx: {note}")
     sources = _sources(manual, plan)
@@ -324,19 +322,18 @@ def _batch_sizes(func_args: tuple, params_index: int) -> frozenset[int]:
     return frozenset(int(s[0]) for s in shapes if s)
 
 
-def _detect(
-    closed, origins, patterns: list[GraphPattern], paths: list[str], shapes: dict, batch_sizes
-):
+def _detect(closed, origins, patterns: list[GraphPattern], paths: list[str], batch_sizes):
     """``(plan, notes)``: the matches of ``patterns`` in ``closed`` (parameters tagged by
-    hand are kept as they are; layers reading slices of a parameter (``shapes``: leaf ->
-    shape) of which others are no layer's are dropped, `_drop_incomplete_slices`) and the
-    notes for the user, with parameter paths, without repeats.
+    hand are kept as they are; layers reading slices of a parameter of which others are
+    no layer's are dropped, `_drop_incomplete_slices`) and the notes for the user, with
+    parameter paths, without repeats.
 
     Raises:
       ValueError: if two patterns of equal precedence match one layer.
     """
     raw_notes: list[tuple[str, tuple[int, ...]]] = []
     jaxpr, consts = closed.jaxpr, _elementwise.Constants(closed.jaxpr, closed.consts)
+    shapes = {o: v.aval.shape for o, v in zip(origins, jaxpr.invars, strict=True) if o is not None}
     claims = _manual_claims(jaxpr, origins)
     try:
         plan = _plan(jaxpr, origins, patterns, dict(claims), raw_notes, 0, batch_sizes, consts)
