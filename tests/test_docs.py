@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import pathlib
 import re
 import subprocess
 import sys
-import textwrap
 import zlib
 
+import jax
 import pytest
+from _scripts import ScriptRun, run_script
 
 import kfacx
 
@@ -27,60 +27,14 @@ DOCS = ROOT / "docs"
 PAGES = sorted(DOCS.rglob("*.md"))
 SNIPPETS = sorted(p for p in (DOCS / "snippets").glob("*.py") if not p.name.startswith("_"))
 CUSTOM_LAYER = ROOT / "examples" / "custom_layer.py"
-TIMEOUT = 600
+TIMEOUT = 600  # the Sphinx build
 
 
-def _run(script: pathlib.Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(script), *args],
-        cwd=script.parent,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-    )
-
-
-#: Runs each snippet given on the command line as ``__main__`` (from its own folder, as
-#: ``python snippet.py`` would) and writes ``{path: [stdout, traceback or None]}`` as JSON
-#: to the file named first. One process for all snippets: each new process would import
-#: JAX, Haiku, Flax and Equinox again (about 2 s of the suite's CPU time per snippet).
-SNIPPET_RUNNER = textwrap.dedent(
-    """
-    import contextlib, io, json, os, runpy, sys, traceback
-    results, out, paths = {}, sys.argv[1], sys.argv[2:]
-    for path in paths:
-        folder, stdout = os.path.dirname(path), io.StringIO()
-        os.chdir(folder)
-        sys.path.insert(0, folder)
-        sys.argv = [path]
-        error = None
-        try:
-            with contextlib.redirect_stdout(stdout):
-                runpy.run_path(path, run_name="__main__")
-        except BaseException:
-            error = traceback.format_exc()
-        finally:
-            sys.path.remove(folder)
-        results[path] = [stdout.getvalue(), error]
-    with open(out, "w") as f:
-        json.dump(results, f)
-    """
-)
-
-
-@pytest.fixture(scope="module")
-def snippet_outputs(tmp_path_factory) -> dict[str, tuple[str, str | None]]:
-    """``{snippet name: (stdout, traceback or None)}`` of all snippets, run in one process."""
-    out = tmp_path_factory.mktemp("snippets") / "results.json"
-    done = subprocess.run(
-        [sys.executable, "-c", SNIPPET_RUNNER, str(out), *map(str, SNIPPETS)],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-    )
-    assert done.returncode == 0 and out.exists(), done.stdout + done.stderr
-    results = json.loads(out.read_text())
-    return {pathlib.Path(path).name: tuple(value) for path, value in results.items()}
+def _run(script: pathlib.Path, *args: str) -> ScriptRun:
+    """Runs ``script`` in this process, from its own folder, as ``python script`` would
+    (with JAX's default rank promotion: the suite raises on implicit promotion)."""
+    with jax.numpy_rank_promotion("allow"):
+        return run_script(script, *args, cwd=script.parent)
 
 
 #: A shown output: the marker, a blank line, then a fenced block (``text`` or bare).
@@ -182,22 +136,18 @@ def test_every_shown_output_is_checked():
             assert (page.parent / path).is_file(), f"{page.name}: {path}"
 
 
-def test_every_snippet_runs_and_prints_what_its_page_shows(snippet_outputs):
-    """One test for all snippets: they share one process, which one xdist worker runs."""
-    failures = []
-    for snippet in SNIPPETS:
-        stdout, error = snippet_outputs[snippet.name]
-        try:
-            assert error is None, stdout + error
-            assert stdout.rstrip().endswith("OK"), stdout
-            _check_shown_outputs(snippet, stdout)
-        except AssertionError as e:
-            failures.append(f"--- {snippet.name}:\n{e}")
-    assert not failures, "\n".join(failures)
+@pytest.mark.parametrize("snippet", SNIPPETS, ids=lambda p: p.name)
+def test_snippet_runs_and_prints_what_its_page_shows(snippet):
+    """In this process (`_scripts.run_script`): a new one would import JAX, Haiku, Flax
+    and Equinox again, and would not share the suite's compilation cache."""
+    result = _run(snippet)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.rstrip().endswith("OK"), result.stdout
+    _check_shown_outputs(snippet, result.stdout)
 
 
 @functools.cache
-def _custom_layer_run() -> subprocess.CompletedProcess:
+def _custom_layer_run() -> ScriptRun:
     return _run(CUSTOM_LAYER)
 
 
@@ -216,6 +166,10 @@ def test_custom_layer_example_detects_serves_and_trains():
 
 
 def test_custom_layer_example_has_help():
-    result = _run(CUSTOM_LAYER, "--help")
+    # In a new process: the script creates its layer tag at import, and a tag name can
+    # be created once per process (the in-process run above creates it).
+    result = subprocess.run(
+        [sys.executable, str(CUSTOM_LAYER), "--help"], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stderr
     assert "--steps" in result.stdout and "custom layer tag" in result.stdout
