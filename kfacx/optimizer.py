@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kfacx import _calibration, _checks
+from kfacx import _calibration, _checks, _keys
 from kfacx._configs import (
     BatchConfig,
     CurvatureConfig,
@@ -97,8 +97,10 @@ class Optimizer:
         inverse on one owner device (chosen by cost) and share it, instead of
         on every device; the result is identical.
       mesh: a `jax.sharding.Mesh`: `step` is jit-compiled with the batch
-        split over the mesh's data axis and the parameters and state
-        replicated on the mesh. Inputs are global arrays (one batch, one rng).
+        split over the mesh's data axis and the state replicated on the mesh;
+        parameters too, unless they come sharded over the mesh (as in
+        fully-sharded data parallelism): then they and their velocities keep
+        their shardings. Inputs are global arrays (one batch, one rng).
       data_axis_name: the mesh axis the batch is split over (default: the
         mesh's only axis).
       use_shard_map: with ``mesh``, run the step as a `jax.shard_map` over
@@ -259,7 +261,7 @@ class Optimizer:
         params, rng, batch, func_state = self.placement.adopt(params, rng, batch, func_state)
         _checks.check_init_args(params, batch, example_axis=int(self.multi_device))
         self._past_first_step = False
-        init = self.placement.stage_init(self.unstaged_init, self.debug)
+        init = self.placement.stage_init(self.unstaged_init, self.debug, _state_shardings)
         self._set_up(params, rng, batch, func_state)
         if not self.multi_device:
             batch = self.placement.local_batch(batch)
@@ -325,8 +327,11 @@ class Optimizer:
 
     def _stage(self):
         if self._staged_step is None:
+            rest = 2 if self.value_func_has_state else 1  # (func_state,) stats
+            outs = lambda p, r: (p, _state_shardings(p, r), *[r] * rest)  # noqa: E731
+
             self._staged_step = self.placement.stage(
-                self.unstaged_step, self.debug, has_aux=self.value_func_has_aux
+                self.unstaged_step, self.debug, self.value_func_has_aux, outs
             )
         return self._staged_step
 
@@ -437,8 +442,8 @@ class Optimizer:
     def _burnin_first(self, params, state, rng, batch, data_iterator, func_state):
         """The burn-in before the first step, on ``data_iterator`` or else ``batch``
         repeated; returns ``(rng, state, func_state)`` (``rng`` split off its key)."""
-        source = data_iterator if data_iterator is not None else _repeat(batch)
-        rng, burnin_rng = _split_key(rng, self.multi_device)
+        source = data_iterator if data_iterator is not None else _keys.repeat(batch)
+        rng, burnin_rng = _keys.split_key(rng, self.multi_device)
         state, func_state = self.burnin(
             self.curvature.num_burnin_steps, params, state, burnin_rng, source, func_state
         )
@@ -457,10 +462,11 @@ class Optimizer:
         parameters (done automatically before the first `step` when
         ``num_burnin_steps > 0``). Returns ``(state, func_state)``."""
         if self._staged_burnin is None:
-            self._staged_burnin = self.placement.stage(self._burnin_step, self.debug)
+            outs = lambda p, r: (_state_shardings(p, r), r)  # noqa: E731
+            self._staged_burnin = self.placement.stage(self._burnin_step, self.debug, False, outs)
         for i in range(num_steps):
             batch = next(data_iterator)
-            step_rng = _fold_in(rng, i, self.multi_device)
+            step_rng = _keys.fold_in(rng, i, self.multi_device)
             batch, params, state, step_rng, func_state = self.placement.put(
                 batch, params, state, step_rng, func_state
             )
@@ -481,20 +487,6 @@ class Optimizer:
         return state._replace(estimator_state=est_state), new_func_state
 
 
-def _repeat(batch):
-    while True:
-        yield batch
-
-
-def _split_key(rng, multi_device):
-    if multi_device:
-        keys = jax.vmap(jax.random.split)(rng)
-        return keys[:, 0], keys[:, 1]
-    a, b = jax.random.split(rng)
-    return a, b
-
-
-def _fold_in(rng, i, multi_device):
-    if multi_device:
-        return jax.vmap(lambda k: jax.random.fold_in(k, i))(rng)
-    return jax.random.fold_in(rng, i)
+def _state_shardings(params_shardings, replicated):
+    """`OptimizerState`'s shardings: the velocities' are the parameters'."""
+    return OptimizerState(params_shardings, *[replicated] * 4)

@@ -39,6 +39,9 @@ _P = PartitionSpec
 #: after them are options shared by all devices.
 STEP_INPUTS = ("params", "state", "rng", "batch", "func_state")
 
+#: ``(param_shardings, replicated) -> a pytree prefix of a staged function's outputs``.
+OutShardings = Callable[[Any, NamedSharding], Any]
+
 
 class Placement:
     """How the optimizer stages its step and where its inputs live.
@@ -153,7 +156,9 @@ class Placement:
 
     def put(self, batch: Any, *replicated: Any) -> tuple[Any, ...]:
         """Moves inputs onto the mesh: the batch split over the data axis, the
-        rest replicated (no copy when they already are)."""
+        rest replicated (no copy when they already are), but for arrays already
+        sharded over the mesh (parameters laid out as in fully-sharded data
+        parallelism), which keep their sharding."""
         if self.mesh is None:
             return (batch, *replicated)
         self.check_batch(batch)
@@ -161,20 +166,43 @@ class Placement:
         rep = self.replicated()
         return (jax.device_put(batch, data), *(_replicate(x, rep) for x in replicated))
 
+    def param_shardings(self, params: Any) -> Any:
+        """The shardings of ``params`` on the mesh (replicated for leaves that are not
+        sharded), or None when no leaf is sharded over the mesh."""
+        if self.mesh is None or not any(map(self._sharded, jax.tree.leaves(params))):
+            return None
+        rep = self.replicated()
+        return jax.tree.map(
+            lambda x: NamedSharding(self.mesh, x.sharding.spec) if self._sharded(x) else rep,
+            params,
+        )
+
+    def _sharded(self, x: Any) -> bool:
+        return _sharded_on(x, self.mesh)
+
     # ---------------------------------------------------------------- staging
 
-    def stage_init(self, fn: Callable[..., Any], debug: bool) -> Callable[..., Any]:
-        """``fn(params, rng, batch, func_state) -> state``, staged for this placement."""
+    def stage_init(
+        self, fn: Callable[..., Any], debug: bool, out_shardings: OutShardings | None = None
+    ) -> Callable[..., Any]:
+        """``fn(params, rng, batch, func_state) -> state``, staged for this placement
+        (see `stage` for ``out_shardings``)."""
         if debug:
             return fn
         if self.kind == "pmap":
             return jax.pmap(fn, axis_name=self.axis_name)
         if self.mesh is None:
             return fn
-        return self._jit(fn, out_shardings=self.replicated())
+        return self._keeping_param_shardings(
+            fn, self._jit(fn, out_shardings=self.replicated()), out_shardings
+        )
 
     def stage(
-        self, fn: Callable[..., Any], debug: bool, has_aux: bool = False
+        self,
+        fn: Callable[..., Any],
+        debug: bool,
+        has_aux: bool = False,
+        out_shardings: OutShardings | None = None,
     ) -> Callable[..., Any]:
         """Stages ``fn(params, state, rng, batch, func_state, *options)``.
 
@@ -183,6 +211,12 @@ class Placement:
         options after them are shared. With ``has_aux`` the last output is the
         stats dict, whose ``"aux"`` entry is per device: under ``shard_map`` it
         comes back with a leading device axis, as from pmap.
+
+        On a mesh, outputs are replicated; when parameters come sharded over the
+        mesh (`param_shardings`), ``out_shardings(param_shardings, replicated)``
+        gives the outputs' shardings instead (a pytree prefix of the outputs: the
+        parameters' shardings for the new parameters and anything shaped like
+        them), so that nothing parameter-sized is replicated.
 
         Raises:
           TypeError: if ``fn``'s leading parameters are not `STEP_INPUTS`.
@@ -196,7 +230,10 @@ class Placement:
             in_axes = tuple(0 if name in STEP_INPUTS else None for name in names)
             return jax.pmap(fn, axis_name=self.axis_name, in_axes=in_axes)
         if self.kind == "mesh":
-            return fn if debug else self._jit(fn, out_shardings=self.replicated())
+            if debug:
+                return fn
+            replicated = self._jit(fn, out_shardings=self.replicated())
+            return self._keeping_param_shardings(fn, replicated, out_shardings)
         axis = self.axis_name
 
         def local(params, state, rng, batch, func_state, *options):
@@ -223,7 +260,31 @@ class Placement:
                 return out
             return (*out[:-1], {**out[-1], "aux": aux})
 
-        return staged if debug else self._jit(staged)
+        if debug:
+            return staged
+        return self._keeping_param_shardings(staged, self._jit(staged), out_shardings)
+
+    def _keeping_param_shardings(
+        self, fn: Callable[..., Any], staged: Callable[..., Any], out_shardings: Any
+    ) -> Callable[..., Any]:
+        """``staged`` (``fn`` jit-compiled with replicated outputs) for replicated
+        parameters; for parameters sharded over the mesh, ``fn`` jit-compiled with
+        ``out_shardings(param_shardings, replicated)``, once per layout."""
+        if out_shardings is None:
+            return staged
+        compiled: dict[Any, Callable[..., Any]] = {}
+
+        def call(params, *args):
+            shardings = self.param_shardings(params)
+            if shardings is None:
+                return staged(params, *args)
+            key = (jax.tree.structure(shardings), tuple(jax.tree.leaves(shardings)))
+            if key not in compiled:
+                outs = out_shardings(shardings, self.replicated())
+                compiled[key] = self._jit(fn, out_shardings=outs)
+            return compiled[key](params, *args)
+
+        return call
 
     def _jit(self, fn: Callable[..., Any], **kwargs: Any) -> Callable[..., Any]:
         if self.compiler_options:
@@ -268,8 +329,23 @@ def _on_auto_axes(x: Any) -> Any:
     return jax.device_put(x, NamedSharding(_auto_mesh(sharding.mesh), sharding.spec))
 
 
+def _sharded_on(x: Any, mesh: Mesh) -> bool:
+    """Whether ``x`` is an array sharded (not replicated) over ``mesh``'s devices."""
+    if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+        return False
+    sharding = x.sharding
+    return (
+        isinstance(sharding, NamedSharding)
+        and not sharding.is_fully_replicated
+        and sharding.mesh.devices.shape == mesh.devices.shape
+        and sharding.mesh.axis_names == mesh.axis_names
+        and (sharding.mesh.devices == mesh.devices).all()
+    )
+
+
 def _replicate(tree: Any, sharding: NamedSharding) -> Any:
-    """``tree`` with its leaves replicated as ``sharding``.
+    """``tree`` with its leaves replicated as ``sharding``, but for leaves already
+    sharded over its mesh, which are left as they are.
 
     With several processes, a leaf that is not yet a global array (a NumPy array,
     a random key, an array on one device) is this process's copy of a value that
@@ -277,10 +353,15 @@ def _replicate(tree: Any, sharding: NamedSharding) -> Any:
     process's devices of the mesh, with no check or transfer between processes
     (there `jax.device_put` refuses random keys and arrays committed to a device,
     and compares other values across the processes, a blocking collective)."""
-    if jax.process_count() == 1:
+    leaves = jax.tree.leaves(tree)
+    if jax.process_count() == 1 and not any(_sharded_on(x, sharding.mesh) for x in leaves):
         return jax.device_put(tree, sharding)
 
     def put(x):
+        if _sharded_on(x, sharding.mesh):
+            return _on_auto_axes(x)
+        if jax.process_count() == 1:
+            return jax.device_put(x, sharding)
         if isinstance(x, jax.Array) and not x.is_fully_addressable:
             return jax.device_put(x, sharding)  # a global array: moved by JAX
         value = x if isinstance(x, jax.Array) else jax.numpy.asarray(x)
