@@ -43,6 +43,7 @@ from kfacx._configs import (
 )
 from kfacx._l2 import Regularization
 from kfacx._loss_passes import BatchPasses, LossCall
+from kfacx._sharded_curvature import sharded_curvature
 from kfacx._step import KfacStep
 from kfacx.blocks._base import zeros
 from kfacx.estimator import EstimatorState
@@ -104,6 +105,13 @@ class Optimizer:
       use_shard_map: with ``mesh``, run the step as a `jax.shard_map` over
         the data axis (each device sees its shard and the step averages over
         the axis, as under pmap) instead of letting the compiler partition it.
+      shard_curvature_state: with ``mesh``, keep each curvature block's factors and
+        cached inverses on one owner device of the data axis (a
+        `kfacx.parallel.ShardedEstimatorState`, owners balanced by bytes): its
+        statistics are reduce-scattered to it, it preconditions its blocks and the
+        update is all-gathered once per step. Same results as the replicated state;
+        `kfacx.gather_estimator_state` reads it back per block. Not with
+        ``multi_device`` (pmap) yet, nor with EKFAC blocks.
       debug: do not compile `step` (for debugging with Python prints).
       compiler_options: XLA options for the compiled `step` (all placements
         but ``multi_device``), e.g. `kfacx.fast_compile_options` ``()`` (on the CPU:
@@ -159,6 +167,7 @@ class Optimizer:
         compiler_options: Mapping[str, Any] | None = None,
         regularized_parameters_path_exclusions: Sequence[str] = (),
         add_l2_reg: bool = False,
+        shard_curvature_state: bool = False,
         **kwargs: Any,
     ):
         if not callable(value_and_grad_func):
@@ -182,6 +191,7 @@ class Optimizer:
             use_shard_map,
             distributed_inverses,
             compiler_options,
+            shard_curvature_state,
         )
         self.debug = debug
         call = LossCall(
@@ -198,6 +208,7 @@ class Optimizer:
             self._passes,
             self.placement,
             self.unstaged_init,
+            sharded_curvature(self.placement, self.estimator),
         )
         self._staged_step = None
         self._staged_burnin = None
@@ -285,6 +296,8 @@ class Optimizer:
         """`init` without staging (pure; for users who jit or pmap it themselves)."""
         args = self._passes.call.args(params, func_state, rng, self._passes.microbatch(batch))
         est = self.estimator.init(rng, args)
+        if self._kfac_step.sharded is not None:
+            est = self._kfac_step.sharded.shard(est)
         initial = self.damping.initial_damping
         return OptimizerState(
             velocities=jax.tree.map(lambda p: zeros(jnp.shape(p), jnp.result_type(p)), params),
@@ -457,7 +470,7 @@ class Optimizer:
         parameters (done automatically before the first `step` when
         ``num_burnin_steps > 0``). Returns ``(state, func_state)``."""
         if self._staged_burnin is None:
-            self._staged_burnin = self.placement.stage(self._burnin_step, self.debug)
+            self._staged_burnin = self.placement.stage(self._kfac_step.burnin_step, self.debug)
         for i in range(num_steps):
             batch = next(data_iterator)
             step_rng = _fold_in(rng, i, self.multi_device)
@@ -466,19 +479,6 @@ class Optimizer:
             )
             state, func_state = self._staged_burnin(params, state, step_rng, batch, func_state)
         return state, func_state
-
-    def _burnin_step(self, params, state, rng, batch, func_state):
-        _, _, stats, new_func_state, _ = self._passes.value_grads_stats(
-            params, func_state, rng, batch, True, state.estimator_state
-        )
-        axis = self.placement.axis_name
-        ema = self.curvature.curvature_ema
-        est_state = self.estimator.update_curvature_estimate_from_stats(
-            state.estimator_state, stats, ema, 1.0 - ema, axis
-        )
-        if new_func_state is not None and axis is not None:
-            new_func_state = jax.lax.pmean(new_func_state, axis)
-        return state._replace(estimator_state=est_state), new_func_state
 
 
 def _repeat(batch):

@@ -25,12 +25,15 @@ global batches (tests/test_multiprocess.py).
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from kfacx.parallel import _sharded_state
 
 _P = PartitionSpec
 
@@ -58,6 +61,7 @@ class Placement:
         use_shard_map: bool,
         distributed_inverses: bool,
         compiler_options: Mapping[str, Any] | None = None,
+        shard_curvature_state: bool = False,
     ):
         if compiler_options is not None and not isinstance(compiler_options, Mapping):
             raise TypeError(
@@ -76,6 +80,17 @@ class Placement:
             raise ValueError(
                 "Pass either multi_device=True (jax.pmap) or mesh= (sharded jax.jit), not both."
             )
+        if shard_curvature_state and mesh is None:
+            raise ValueError(
+                "shard_curvature_state=True splits the curvature state over the data axis of "
+                "a mesh: pass mesh= (sharded jit, or use_shard_map=True), not "
+                + (
+                    "multi_device=True (jax.pmap is not supported yet)."
+                    if multi_device
+                    else "none."
+                )
+            )
+        self.shard_state = bool(shard_curvature_state)
         if use_shard_map and mesh is None:
             raise ValueError("use_shard_map=True needs a mesh= whose data axis to map over.")
         if mesh is None and data_axis_name is not None:
@@ -159,7 +174,41 @@ class Placement:
         self.check_batch(batch)
         data = NamedSharding(self.mesh, _P(self.data_axis_name))
         rep = self.replicated()
+        if self.shard_state:
+            return (jax.device_put(batch, data), *(self._place(x) for x in replicated))
         return (jax.device_put(batch, data), *(_replicate(x, rep) for x in replicated))
+
+    def _place(self, tree: Any) -> Any:
+        """``tree`` replicated on the mesh, but the buffers of every
+        `ShardedEstimatorState` split over the data axis."""
+        split = NamedSharding(self.mesh, _P(self.data_axis_name))
+
+        def place(x):
+            if _sharded_state.is_sharded(x):
+                return _sharded_state.ShardedEstimatorState(
+                    tuple(jax.device_put(b, split) for b in x.buffers)
+                )
+            return _replicate(x, self.replicated())
+
+        return jax.tree.map(place, tree, is_leaf=_sharded_state.is_sharded)
+
+    def _constrained(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` with its outputs laid out as `_place` places inputs (under `jax.jit`)."""
+        split = NamedSharding(self.mesh, _P(self.data_axis_name))
+        rep = self.replicated()
+
+        def constrain(x):
+            if _sharded_state.is_sharded(x):
+                return _sharded_state.ShardedEstimatorState(
+                    tuple(jax.lax.with_sharding_constraint(b, split) for b in x.buffers)
+                )
+            return jax.lax.with_sharding_constraint(x, rep)
+
+        @functools.wraps(fn)
+        def constrained(*args):
+            return jax.tree.map(constrain, fn(*args), is_leaf=_sharded_state.is_sharded)
+
+        return constrained
 
     # ---------------------------------------------------------------- staging
 
@@ -171,6 +220,8 @@ class Placement:
             return jax.pmap(fn, axis_name=self.axis_name)
         if self.mesh is None:
             return fn
+        if self.shard_state:
+            return self._jit(self._constrained(fn))
         return self._jit(fn, out_shardings=self.replicated())
 
     def stage(
@@ -196,7 +247,11 @@ class Placement:
             in_axes = tuple(0 if name in STEP_INPUTS else None for name in names)
             return jax.pmap(fn, axis_name=self.axis_name, in_axes=in_axes)
         if self.kind == "mesh":
+            if self.shard_state:
+                return fn if debug else self._jit(self._constrained(fn))
             return fn if debug else self._jit(fn, out_shardings=self.replicated())
+        if self.shard_state:
+            return self._stage_sharded_shard_map(fn, debug, has_aux)
         axis = self.axis_name
 
         def local(params, state, rng, batch, func_state, *options):
@@ -219,6 +274,50 @@ class Placement:
 
         def staged(*args):
             out, aux = mapped(*args)
+            if aux is None:
+                return out
+            return (*out[:-1], {**out[-1], "aux": aux})
+
+        return staged if debug else self._jit(staged)
+
+    def _stage_sharded_shard_map(
+        self, fn: Callable[..., Any], debug: bool, has_aux: bool
+    ) -> Callable[..., Any]:
+        """`stage` under ``shard_map`` with ``shard_curvature_state``: the buffers of
+        every `ShardedEstimatorState` among the inputs and outputs are split over the
+        data axis (each device sees its own row), everything else as in `stage`."""
+        names, axis = _parameter_names(fn), self.axis_name
+        found: list[Any] = []  # the outputs' structure, with the sharded states cut out
+
+        def local(*args):
+            rng = jax.random.fold_in(args[2], jax.lax.axis_index(axis))
+            out = fn(*args[:2], rng, *args[3:])
+            aux = None
+            if has_aux and "aux" in out[-1]:
+                stats = dict(out[-1])
+                aux = jax.tree.map(lambda x: x[None], stats.pop("aux"))
+                out = (*out[:-1], stats)
+            leaves, treedef = jax.tree.flatten(out, is_leaf=_sharded_state.is_sharded)
+            sharded = [x if _sharded_state.is_sharded(x) else None for x in leaves]
+            rest = [None if _sharded_state.is_sharded(x) else x for x in leaves]
+            found[:] = [treedef]
+            return rest, aux, sharded
+
+        def staged(*args):
+            in_specs = tuple(
+                _P(axis) if name == "batch" else _sharded_state.sharded_state_specs(a, axis)
+                for name, a in zip(names, args, strict=False)
+            )
+            mapped = jax.shard_map(
+                local,
+                mesh=self.mesh,
+                in_specs=in_specs,
+                out_specs=(_P(), _P(axis), _P(axis)),
+                check_vma=False,
+            )
+            rest, aux, sharded = mapped(*args)
+            leaves = [s if s is not None else r for r, s in zip(rest, sharded, strict=True)]
+            out = jax.tree.unflatten(found[0], leaves)
             if aux is None:
                 return out
             return (*out[:-1], {**out[-1], "aux": aux})
