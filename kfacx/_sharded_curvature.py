@@ -46,8 +46,8 @@ class PackedStats(NamedTuple):
     """Statistics reduced to their owners.
 
     Attributes:
-      rows: per dtype, this device's row ``[1, length]`` (inside the axis), or the
-        global ``[num_devices, length]`` array laid out over the axis (sharded jit).
+      rows: per dtype, this device's row ``[1, length]`` (inside the axis), or every
+        owner's rows ``[num_devices, length]`` (sharded jit: the statistics are global).
       check: what the non-finite guard checks (NaN iff a statistic is not finite).
     """
 
@@ -177,9 +177,10 @@ class ShardedCurvature:
         (``None``) the global statistics are laid out over the data axis."""
         layout = self._build()[1]
         if axis_name is None:
+            # The compiler all-reduces the statistics it computes over the global batch;
+            # each owner then reads its rows (laying them out over the axis here makes
+            # GSPMD add all-to-alls, no reduce-scatter).
             rows = layout.pack(stats.blocks)
-            sharding = NamedSharding(self.mesh, P(self.axis_name))
-            rows = tuple(jax.lax.with_sharding_constraint(rows, sharding))
             return PackedStats(rows, rows)
         # As `kfacx.parallel._reductions.weighted_mean`, summed to the owner only.
         weight = jnp.asarray(stats.batch_size, jnp.float32)
@@ -229,7 +230,7 @@ class ShardedCurvature:
         if bound:
             precon, rows = run(*args)
         else:
-            precon, rows = self._mapped(run, args, num_sharded=2, num_outputs=(1, 1))
+            precon, rows = self._mapped(run, args, num_outputs=(1, 1))
         return precon, ShardedEstimatorState(tuple(rows))
 
     def optimizer_precondition(
@@ -264,17 +265,25 @@ class ShardedCurvature:
         if bound:
             rows = self._local_fold(*args)
         else:
-            rows = self._mapped(self._local_fold, args, num_sharded=2, num_outputs=None)
+            rows = self._mapped(self._local_fold, args, num_outputs=None)
         return ShardedEstimatorState(tuple(rows))
 
-    def _mapped(self, fn, args, num_sharded, num_outputs):
-        """``fn(*args)`` in a `jax.shard_map` over the data axis; the first
-        ``num_sharded`` arguments and the last output are split over it."""
+    def _mapped(self, fn, args, num_outputs):
+        """``fn(state rows, stat rows, *rest)`` in a `jax.shard_map` over the data axis:
+        ``args`` has the global buffers (split over the axis), all owners' statistics
+        (each device takes its row) and the rest (replicated); the last output is split
+        over the axis."""
         axis = self.axis_name
-        in_specs = tuple(P(axis) if i < num_sharded else P() for i in range(len(args)))
+        in_specs = (P(axis),) + (P(),) * (len(args) - 1)
         out_specs = P(axis) if num_outputs is None else (P(), P(axis))
+
+        def own_stats(rows, stat_rows, *rest):
+            me = jax.lax.axis_index(axis)
+            mine = tuple(jax.lax.dynamic_slice_in_dim(r, me, 1) for r in stat_rows)
+            return fn(rows, mine, *rest)
+
         return jax.shard_map(
-            fn,
+            own_stats,
             mesh=self.mesh,
             in_specs=in_specs,
             out_specs=out_specs,
