@@ -61,6 +61,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
 import kfacx  # noqa: E402
+from kfacx import _refresh, _sharded_curvature  # noqa: E402
 from kfacx.parallel import _distributed  # noqa: E402
 
 DAMPING = 1e-2
@@ -355,6 +356,42 @@ def _bottleneck_params():
     ]
 
 
+def _unit_costs(blocks, cache_spec) -> list[float]:
+    """The costs of the units of one refresh of ``blocks`` (`kfacx._refresh.plan`)."""
+    found = []
+
+    def units(_):
+        states = [b.init(jax.random.key(0), *cache_spec) for b in blocks]
+        found.append(_refresh.plan(blocks, states, 1.0).costs)
+        return 0
+
+    jax.eval_shape(units, 0)
+    return list(found[0])
+
+
+def refresh_loads(batch_size: int, counts: list[int]) -> dict:
+    """Per device count and layout, the refresh work of the busiest device (cost model:
+    ``K n^3`` per bucket of ``K`` padded ``n x n`` factors), as a fraction of the whole
+    refresh: replicated, the units (buckets) go to cost-balanced owners
+    (``distributed_inverses``); sharded, each owner refreshes its own blocks."""
+    est = kfacx.BlockDiagonalCurvature(_bottleneck_loss)
+    params = _bottleneck_params()
+    est.set_up((params, jnp.zeros((batch_size, WIDTH))))
+    spec = est._cache_spec
+    costs = _unit_costs(est.blocks, spec)
+    total = sum(costs)
+    out = {}
+    for n in counts:
+        loads = _distributed.device_loads(costs, _distributed.assign_owners(costs, n), n)
+        owners = _sharded_curvature.plan_for(est, n).owners
+        sharded = [
+            sum(_unit_costs([b for b, o in zip(est.blocks, owners, strict=True) if o == d], spec))
+            for d in range(n)
+        ]
+        out[n] = dict(replicated=max(loads) / total, sharded=max(sharded) / total)
+    return out
+
+
 def _bytes_per_device(tree) -> list[int]:
     """Bytes of ``tree``'s arrays on each device, from their addressable shards."""
     per: dict = {}
@@ -444,6 +481,9 @@ def sharded_state(batch_size: int, repeats: int, placements: list[str], counts: 
         n = row["devices"]
         for key in ("state_bytes_per_device", "curvature_bytes_per_device"):
             row[key.replace("_per_device", "_ratio_to_ideal")] = row[key] / (rep[key] / n)
+    loads = refresh_loads(batch_size, counts)
+    for row in rows:
+        row["refresh_busiest_device_share"] = loads[row["devices"]][row["layout"]]
     return dict(
         model=dict(width=WIDTH, bottleneck=BOTTLENECK, layers=LAYERS, batch_size=batch_size),
         timed_steps=repeats,
