@@ -331,25 +331,31 @@ class ShardedCurvature:
         norm = est.norm_to_scale_identity_weight_per_block
 
         def branch(d, rows, stat_rows, vectors, count, weights, ema_old, ema_new):
+            layout = self.state_layout
             states = self._fold_owner(d, rows, stat_rows, ema_old, ema_new)
+            rows = layout.pack_owner(d, states)
             mine = sorted(states)
             blocks = [est.blocks[i] for i in mine]
             own_weights = tuple(weights[i] for i in mine)
 
-            def refresh(states, w):
-                scaled = _identity_weights.scaled(blocks, states, w, norm)
-                return tuple(_refresh.refresh(blocks, states, scaled, None))
+            # On the rows: the steps between refreshes pass them on as they are.
+            def refresh(rows, w):
+                states = layout.unpack_owner(d, rows)
+                before = tuple(states[i] for i in mine)
+                scaled = _identity_weights.scaled(blocks, before, w, norm)
+                new = _refresh.refresh(blocks, before, scaled, None)
+                return layout.pack_owner(d, dict(zip(mine, new, strict=True)))
 
-            new = tuple(states[i] for i in mine)
             if mine:
-                new = refresh_on_schedule(count, period, refresh, new, own_weights)
+                rows = refresh_on_schedule(count, period, refresh, rows, own_weights)
+            states = layout.unpack_owner(d, rows)
+            new = tuple(states[i] for i in mine)
             scaled = _identity_weights.scaled(blocks, new, own_weights, norm)
             outs = {
                 i: b.multiply_matpower(s, vectors[i], w, power, exact, True)
                 for i, b, s, w in zip(mine, blocks, new, scaled, strict=True)
             }
-            new_rows = self.state_layout.pack_owner(d, dict(zip(mine, new, strict=True)))
-            return new_rows, precon_layout.pack_owner(d, outs)
+            return rows, precon_layout.pack_owner(d, outs)
 
         operands = (rows, stat_rows, vectors, count, weights, ema_old, ema_new)
         new_rows, precon_row = self._on_owner(branch, *operands)
