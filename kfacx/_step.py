@@ -63,6 +63,8 @@ class KfacStep:
       passes: the passes over the batch (they hold the estimator).
       placement: where the step runs (its device axis, the inverses' refresh).
       init: ``(params, rng, batch, func_state) -> state``, for checking the state.
+      sharded: the plan of the sharded curvature state (`kfacx._sharded_curvature`),
+        or None (the state is replicated).
     """
 
     curvature: CurvatureConfig
@@ -73,6 +75,7 @@ class KfacStep:
     passes: BatchPasses
     placement: Placement
     init: Callable[..., Any]
+    sharded: Any = None
 
     @property
     def l2_reg(self) -> float:
@@ -175,7 +178,7 @@ class KfacStep:
             loss,
             sq_norms,
             lam if precon_lam is lam else (lam, precon_lam),
-            stats,
+            stats.blocks if self.sharded is None else stats.check,
             new=(new_params, new_state, new_func_state),
             old=(params, state, func_state),
         )
@@ -190,6 +193,27 @@ class KfacStep:
         if self.passes.call.has_state:
             return new_params, new_state, new_func_state, stats_out
         return new_params, new_state, stats_out
+
+    def burnin_step(self, params, state, rng, batch, func_state):
+        """One burn-in step (`kfacx.Optimizer.burnin`): the curvature update alone;
+        returns ``(state, func_state)``."""
+        _, _, stats, new_func_state, _ = self.passes.value_grads_stats(
+            params, func_state, rng, batch, True, state.estimator_state
+        )
+        axis = self.placement.axis_name
+        ema = self.curvature.curvature_ema
+        if self.sharded is not None:
+            stats = self.sharded.reduce_stats(stats, axis)
+            est_state = self.sharded.fold(
+                state.estimator_state, stats, ema, 1.0 - ema, bound=axis is not None
+            )
+        else:
+            est_state = self.passes.estimator.update_curvature_estimate_from_stats(
+                state.estimator_state, stats, ema, 1.0 - ema, axis
+            )
+        if new_func_state is not None and axis is not None:
+            new_func_state = jax.lax.pmean(new_func_state, axis)
+        return state._replace(estimator_state=est_state), new_func_state
 
     def _dampings(self, state, damping, global_step):
         """``(damping, preconditioner damping)`` of this step (the same object when the
@@ -256,6 +280,8 @@ class KfacStep:
         _checks.check_batch(batch)
         expected = jax.eval_shape(self.init, params, rng, batch, func_state)
         blocks = self.passes.estimator.blocks
+        if self.sharded is not None and self.placement.kind == "shard_map":
+            expected = self.sharded.local_shapes(expected)
         _checks.check_state(state, expected, [repr(b) for b in blocks])
 
     def _pmean(self, tree):
@@ -282,9 +308,16 @@ class KfacStep:
         loss, grads, stats, new_func_state, aux = out
         if axis is not None:
             loss, grads = self._pmean((loss, grads))
-            stats = weighted_mean_stats(stats, axis)
+            sharded = self.sharded
+            stats = (
+                weighted_mean_stats(stats, axis)
+                if sharded is None
+                else sharded.reduce_stats(stats, axis)
+            )
             if new_func_state is not None:
                 new_func_state = self._pmean(new_func_state)
+        elif self.sharded is not None:
+            stats = self.sharded.reduce_stats(stats, None)
         grads = self.regularization.add_to_gradient(grads, params, mask)
         return loss, grads, stats, new_func_state, aux
 
@@ -292,6 +325,10 @@ class KfacStep:
         """The curvature update and ``(C + identity_weight I)^-1 grads``: the core shared
         with `kfacx.scale_by_kfac`, its refresh placed by `Placement.refresh`."""
         cfg, est = self.curvature, self.passes.estimator
+        if self.sharded is not None:
+            bound = self.placement.axis_name is not None
+            args = (state, grads, stats, identity_weight, update_curvature, bound)
+            return self.sharded.optimizer_precondition(cfg, *args)
         return precondition(
             est,
             state.estimator_state,
@@ -424,7 +461,7 @@ def _guard(loss, sq_norms, lam, stats, new, old):
         positive = _damping.positive_or_nan(lam[0]) + _damping.positive_or_nan(lam[1])
     else:
         positive = _damping.positive_or_nan(lam)
-    checked = (loss, grad_sq, update_sq, new_state.damping, positive, stats.blocks)
+    checked = (loss, grad_sq, update_sq, new_state.damping, positive, stats)
     old_func_state = None if new_func_state is None else func_state
     return _tree.guard_non_finite((*checked, new_func_state), new, (params, state, old_func_state))
 

@@ -43,6 +43,7 @@ from kfacx._configs import (
 )
 from kfacx._l2 import Regularization
 from kfacx._loss_passes import BatchPasses, LossCall
+from kfacx._sharded_curvature import sharded_curvature
 from kfacx._step import KfacStep
 from kfacx.blocks._base import zeros
 from kfacx.estimator import EstimatorState
@@ -106,6 +107,13 @@ class Optimizer:
       use_shard_map: with ``mesh``, run the step as a `jax.shard_map` over
         the data axis (each device sees its shard and the step averages over
         the axis, as under pmap) instead of letting the compiler partition it.
+      shard_curvature_state: with ``mesh``, keep each curvature block's factors and
+        cached inverses on one owner device of the data axis (a
+        `kfacx.parallel.ShardedEstimatorState`, owners balanced by bytes): its
+        statistics are reduce-scattered to it, it preconditions its blocks and the
+        update is all-gathered once per step. Same results as the replicated state;
+        `kfacx.gather_estimator_state` reads it back per block. Not with
+        ``multi_device`` (pmap) yet, nor with EKFAC blocks.
       debug: do not compile `step` (for debugging with Python prints).
       compiler_options: XLA options for the compiled `step` (all placements
         but ``multi_device``), e.g. `kfacx.fast_compile_options` ``()`` (on the CPU:
@@ -161,6 +169,7 @@ class Optimizer:
         compiler_options: Mapping[str, Any] | None = None,
         regularized_parameters_path_exclusions: Sequence[str] = (),
         add_l2_reg: bool = False,
+        shard_curvature_state: bool = False,
         **kwargs: Any,
     ):
         if not callable(value_and_grad_func):
@@ -184,6 +193,7 @@ class Optimizer:
             use_shard_map,
             distributed_inverses,
             compiler_options,
+            shard_curvature_state,
         )
         self.debug = debug
         call = LossCall(
@@ -200,6 +210,7 @@ class Optimizer:
             self._passes,
             self.placement,
             self.unstaged_init,
+            sharded_curvature(self.placement, self.estimator),
         )
         self._staged_step = None
         self._staged_burnin = None
@@ -261,7 +272,7 @@ class Optimizer:
         params, rng, batch, func_state = self.placement.adopt(params, rng, batch, func_state)
         _checks.check_init_args(params, batch, example_axis=int(self.multi_device))
         self._past_first_step = False
-        init = self.placement.stage_init(self.unstaged_init, self.debug, _state_shardings)
+        init = self.placement.stage_init(self.unstaged_init, self.debug, self._state_shardings)
         self._set_up(params, rng, batch, func_state)
         if not self.multi_device:
             batch = self.placement.local_batch(batch)
@@ -287,6 +298,8 @@ class Optimizer:
         """`init` without staging (pure; for users who jit or pmap it themselves)."""
         args = self._passes.call.args(params, func_state, rng, self._passes.microbatch(batch))
         est = self.estimator.init(rng, args)
+        if self._kfac_step.sharded is not None:
+            est = self._kfac_step.sharded.shard(est)
         initial = self.damping.initial_damping
         return OptimizerState(
             velocities=jax.tree.map(lambda p: zeros(jnp.shape(p), jnp.result_type(p)), params),
@@ -295,6 +308,12 @@ class Optimizer:
             data_seen=zeros((), jnp.int32),
             step_counter=zeros((), jnp.int32),
         )
+
+    def _state_shardings(self, params_shardings, replicated):
+        """`OptimizerState`'s shardings for sharded parameters (see `Placement.stage`):
+        the velocities' are the parameters'; a sharded curvature state lays itself out."""
+        est = None if self.placement.shard_state else replicated
+        return OptimizerState(params_shardings, est, *[replicated] * 3)
 
     # ---------------------------------------------------------------- the step
 
@@ -328,7 +347,7 @@ class Optimizer:
     def _stage(self):
         if self._staged_step is None:
             rest = 2 if self.value_func_has_state else 1  # (func_state,) stats
-            outs = lambda p, r: (p, _state_shardings(p, r), *[r] * rest)  # noqa: E731
+            outs = lambda p, r: (p, self._state_shardings(p, r), *[r] * rest)  # noqa: E731
 
             self._staged_step = self.placement.stage(
                 self.unstaged_step, self.debug, self.value_func_has_aux, outs
@@ -462,8 +481,9 @@ class Optimizer:
         parameters (done automatically before the first `step` when
         ``num_burnin_steps > 0``). Returns ``(state, func_state)``."""
         if self._staged_burnin is None:
-            outs = lambda p, r: (_state_shardings(p, r), r)  # noqa: E731
-            self._staged_burnin = self.placement.stage(self._burnin_step, self.debug, False, outs)
+            outs = lambda p, r: (self._state_shardings(p, r), r)  # noqa: E731
+            burnin = self._kfac_step.burnin_step
+            self._staged_burnin = self.placement.stage(burnin, self.debug, False, outs)
         for i in range(num_steps):
             batch = next(data_iterator)
             step_rng = _keys.fold_in(rng, i, self.multi_device)
@@ -472,21 +492,3 @@ class Optimizer:
             )
             state, func_state = self._staged_burnin(params, state, step_rng, batch, func_state)
         return state, func_state
-
-    def _burnin_step(self, params, state, rng, batch, func_state):
-        _, _, stats, new_func_state, _ = self._passes.value_grads_stats(
-            params, func_state, rng, batch, True, state.estimator_state
-        )
-        axis = self.placement.axis_name
-        ema = self.curvature.curvature_ema
-        est_state = self.estimator.update_curvature_estimate_from_stats(
-            state.estimator_state, stats, ema, 1.0 - ema, axis
-        )
-        if new_func_state is not None and axis is not None:
-            new_func_state = jax.lax.pmean(new_func_state, axis)
-        return state._replace(estimator_state=est_state), new_func_state
-
-
-def _state_shardings(params_shardings, replicated):
-    """`OptimizerState`'s shardings: the velocities' are the parameters'."""
-    return OptimizerState(params_shardings, *[replicated] * 4)

@@ -34,6 +34,7 @@ import optax
 
 from kfacx import _checks, _partition
 from kfacx._checks import check_precon_power
+from kfacx._sharded_curvature import ShardedCurvature
 from kfacx._transform_parts import (
     check_curvature_stats,
     checked_ema,
@@ -193,6 +194,8 @@ def scale_by_kfac(
     pmap_axis_name: str | None = None,
     distributed_inverses: bool = True,
     precon_power: float | None = None,
+    shard_curvature_state: bool = False,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Preconditions gradients with the damped inverse of the K-FAC curvature.
 
@@ -242,6 +245,17 @@ def scale_by_kfac(
         e.g. ``BlockDiagonalCurvature(..., approx_powers_to_cache=(-0.5,))``. It
         chooses a cached power, so it cannot be a hyperparameter of
         `optax.inject_hyperparams`: name it in ``static_args`` there.
+      shard_curvature_state: keep each block's factors and cached inverses on one
+        owner device of the ``pmap_axis_name`` axis of ``mesh`` (a
+        `kfacx.parallel.ShardedEstimatorState`; see docs/scaling.md): ``init`` (called
+        outside the `jax.shard_map`) lays the state out over the axis, and ``update``
+        (inside it, with each device's own statistics) reduce-scatters the
+        statistics to their owners and all-gathers the preconditioned gradient. Give
+        the state's ``in_specs`` / ``out_specs`` with
+        `kfacx.parallel.sharded_state_specs`. Same results as the replicated state.
+        Not inside `optax.masked` / `optax.partition`, nor with EKFAC blocks, yet.
+      mesh: the `jax.sharding.Mesh` of the `jax.shard_map` (with
+        ``shard_curvature_state`` only).
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose ``update`` requires the
@@ -264,9 +278,15 @@ def scale_by_kfac(
     estimator.set_up(func_args)
     example_params = func_args[estimator.params_index]
     refresh_axis = pmap_axis_name if distributed_inverses else None
+    sharded = _sharded_plan(estimator, shard_curvature_state, mesh, pmap_axis_name)
 
     def init_fn(params):
         reject_multi_steps()
+        if sharded is not None:
+            _reject_masked(params)
+            args = replace_params(func_args, params, estimator.params_index)
+            state = sharded.shard(estimator.init(jax.random.key(0), args))
+            return ScaleByKfacState(jnp.zeros((), jnp.int32), state)
         if not _partition.has_masked_nodes(params):
             args = replace_params(func_args, params, estimator.params_index)
             return ScaleByKfacState(
@@ -280,6 +300,22 @@ def scale_by_kfac(
         del params, extra_args
         reject_multi_steps()
         check_curvature_stats(curvature_stats, "scale_by_kfac.update")
+        if sharded is not None:
+            _reject_masked(updates)
+            precon, est = sharded.precondition(
+                state.estimator_state,
+                state.count,
+                updates,
+                sharded.reduce_stats(curvature_stats, pmap_axis_name),
+                jnp.asarray(damping_fn(state.count)),
+                curvature_ema=ema,
+                inverse_update_period=period,
+                use_exact_inverses=use_exact_inverses,
+                update_curvature=True,
+                power=power,
+                bound=True,
+            )
+            return precon, ScaleByKfacState(state.count + 1, est)
         curvature = estimator
         if _partition.has_masked_nodes(updates):
             curvature = _partition.BlockSubset(estimator, example_params, updates)
@@ -301,6 +337,40 @@ def scale_by_kfac(
         return precon, ScaleByKfacState(state.count + 1, est)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _sharded_plan(
+    estimator: BlockDiagonalCurvature, shard: bool, mesh: Any, axis: str | None
+) -> ShardedCurvature | None:
+    """`scale_by_kfac`'s plan of the sharded state, or None (replicated).
+
+    Raises:
+      ValueError: for ``shard_curvature_state`` without ``pmap_axis_name`` and a
+        ``mesh`` that has it, or ``mesh`` without ``shard_curvature_state``.
+    """
+    if not shard:
+        if mesh is not None:
+            raise ValueError(
+                "scale_by_kfac: mesh= is only used with shard_curvature_state=True; "
+                "drop it, or pass shard_curvature_state=True."
+            )
+        return None
+    if axis is None or not isinstance(mesh, jax.sharding.Mesh) or axis not in mesh.axis_names:
+        raise ValueError(
+            "scale_by_kfac: shard_curvature_state=True needs pmap_axis_name= (the axis of the "
+            "jax.shard_map that runs update) and mesh= (the jax.sharding.Mesh with that axis); "
+            f"got pmap_axis_name={axis!r}, mesh={mesh!r}. For jax.pmap it is not supported yet."
+        )
+    estimator.blocks  # noqa: B018  (set up: raises if not)
+    return ShardedCurvature(estimator, int(mesh.shape[axis]), axis, mesh)
+
+
+def _reject_masked(tree: Any) -> None:
+    if _partition.has_masked_nodes(tree):
+        raise ValueError(
+            "scale_by_kfac: shard_curvature_state=True is not supported inside optax.masked / "
+            "optax.partition yet; use shard_curvature_state=False there."
+        )
 
 
 def flag_non_finite_stats() -> optax.GradientTransformationExtraArgs:

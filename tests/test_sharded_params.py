@@ -1,6 +1,7 @@
 """Parameters sharded over the mesh (fully-sharded data parallel, or over a model axis):
 the step keeps the parameters' and the velocities' shardings (nothing parameter-sized
-comes back replicated) and takes the steps of replicated parameters."""
+comes back replicated) and takes the steps of replicated parameters, with the curvature
+state replicated or sharded (``shard_curvature_state``)."""
 
 import jax
 import numpy as np
@@ -16,11 +17,12 @@ import kfacx
 DATA_SPECS = dict(w1=P(None, "data"), b1=P("data"), w2=P("data", None), b2=P())
 MODEL_SPECS = dict(w1=P(None, "model"), b1=P("model"), w2=P("model", None), b2=P())
 
-CASES = {
-    "fsdp_mesh": (("data",), (N,), DATA_SPECS, False),
-    "fsdp_shard_map": (("data",), (N,), DATA_SPECS, True),
+CASES = {  # (mesh axes, mesh shape, specs, use_shard_map, shard_curvature_state)
+    "fsdp_mesh": (("data",), (N,), DATA_SPECS, False, False),
+    "fsdp_shard_map": (("data",), (N,), DATA_SPECS, True, False),
+    "fsdp_shard_map_sharded_state": (("data",), (N,), DATA_SPECS, True, True),
     # (Under shard_map a model axis takes fsdp_shard_map's path: replicated inputs.)
-    "model_axis_mesh": (("data", "model"), (2, 2), MODEL_SPECS, False),
+    "model_axis_mesh": (("data", "model"), (2, 2), MODEL_SPECS, False, False),
 }
 
 
@@ -30,7 +32,7 @@ def _sharded(params, mesh, specs):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_sharded_params_keep_their_sharding_and_take_the_replicated_steps(case):
-    names, shape, specs, use_shard_map = CASES[case]
+    names, shape, specs, use_shard_map, shard_state = CASES[case]
     mesh = jax.make_mesh(shape, names, devices=jax.devices()[: np.prod(shape)])
     want_params, want_state, want_stats = _single_reference_x64()
     with jax.enable_x64(True):
@@ -41,6 +43,7 @@ def test_sharded_params_keep_their_sharding_and_take_the_replicated_steps(case):
             mesh=mesh,
             data_axis_name="data",
             use_shard_map=use_shard_map,
+            shard_curvature_state=shard_state,
             **KWARGS,
         )
         state = opt.init(params, jax.random.key(7), batch)
@@ -59,7 +62,11 @@ def test_sharded_params_keep_their_sharding_and_take_the_replicated_steps(case):
                 leaf.size
             )
     for leaf in jax.tree.leaves(state.estimator_state):
-        assert leaf.sharding.is_fully_replicated
+        assert leaf.sharding.is_fully_replicated != shard_state  # the curvature state's layout
+    if shard_state:
+        with jax.enable_x64(True):
+            gathered = kfacx.gather_estimator_state(opt.estimator, state.estimator_state)
+        state = state._replace(estimator_state=gathered)
     jax.tree.map(
         lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12),
         (want_params, want_state),

@@ -23,7 +23,10 @@ collectives):
 * ``_distributed``: the cost-balanced owner device of each unit of the inverse
   refresh, and the refresh on owners only;
 * ``_reductions``: averages over a device axis weighted by each device's examples
-  (e.g. the curvature statistics).
+  (e.g. the curvature statistics);
+* ``_sharded_state``: the curvature state packed per owner device
+  (``shard_curvature_state=True``): `ShardedEstimatorState`, its static layout, and
+  `sharded_state_specs` for `jax.shard_map`.
 """
 
 from __future__ import annotations
@@ -34,11 +37,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kfacx.parallel._sharded_state import ShardedEstimatorState, sharded_state_specs
+
 __all__ = [
+    "ShardedEstimatorState",
     "get_first",
     "make_different_rng_key_on_all_devices",
     "replicate_all_local_devices",
     "shard_batch",
+    "sharded_state_specs",
 ]
 
 

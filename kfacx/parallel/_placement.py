@@ -25,12 +25,15 @@ global batches (tests/test_multiprocess.py).
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from kfacx.parallel import _sharded_state
 
 _P = PartitionSpec
 
@@ -61,6 +64,7 @@ class Placement:
         use_shard_map: bool,
         distributed_inverses: bool,
         compiler_options: Mapping[str, Any] | None = None,
+        shard_curvature_state: bool = False,
     ):
         if compiler_options is not None and not isinstance(compiler_options, Mapping):
             raise TypeError(
@@ -79,6 +83,17 @@ class Placement:
             raise ValueError(
                 "Pass either multi_device=True (jax.pmap) or mesh= (sharded jax.jit), not both."
             )
+        if shard_curvature_state and mesh is None:
+            raise ValueError(
+                "shard_curvature_state=True splits the curvature state over the data axis of "
+                "a mesh: pass mesh= (sharded jit, or use_shard_map=True), not "
+                + (
+                    "multi_device=True (jax.pmap is not supported yet)."
+                    if multi_device
+                    else "none."
+                )
+            )
+        self.shard_state = bool(shard_curvature_state)
         if use_shard_map and mesh is None:
             raise ValueError("use_shard_map=True needs a mesh= whose data axis to map over.")
         if mesh is None and data_axis_name is not None:
@@ -164,6 +179,8 @@ class Placement:
         self.check_batch(batch)
         data = NamedSharding(self.mesh, _P(self.data_axis_name))
         rep = self.replicated()
+        if self.shard_state:
+            return (jax.device_put(batch, data), *(self._place(x) for x in replicated))
         return (jax.device_put(batch, data), *(_replicate(x, rep) for x in replicated))
 
     def param_shardings(self, params: Any) -> Any:
@@ -180,6 +197,40 @@ class Placement:
     def _sharded(self, x: Any) -> bool:
         return _sharded_on(x, self.mesh)
 
+    def _place(self, tree: Any) -> Any:
+        """``tree`` replicated on the mesh, but the buffers of every
+        `ShardedEstimatorState` split over the data axis."""
+        split = NamedSharding(self.mesh, _P(self.data_axis_name))
+
+        def place(x):
+            if _sharded_state.is_sharded(x):
+                return _sharded_state.ShardedEstimatorState(
+                    tuple(jax.device_put(b, split) for b in x.buffers)
+                )
+            return _replicate(x, self.replicated())
+
+        return jax.tree.map(place, tree, is_leaf=_sharded_state.is_sharded)
+
+    def _constrained(self, fn: Callable[..., Any], others: bool = True) -> Callable[..., Any]:
+        """``fn`` with its outputs laid out as `_place` places inputs (under `jax.jit`);
+        with ``others=False`` only the sharded states' buffers are constrained (the
+        rest is laid out by ``out_shardings``)."""
+        split = NamedSharding(self.mesh, _P(self.data_axis_name))
+        rep = self.replicated()
+
+        def constrain(x):
+            if _sharded_state.is_sharded(x):
+                return _sharded_state.ShardedEstimatorState(
+                    tuple(jax.lax.with_sharding_constraint(b, split) for b in x.buffers)
+                )
+            return jax.lax.with_sharding_constraint(x, rep) if others else x
+
+        @functools.wraps(fn)
+        def constrained(*args):
+            return jax.tree.map(constrain, fn(*args), is_leaf=_sharded_state.is_sharded)
+
+        return constrained
+
     # ---------------------------------------------------------------- staging
 
     def stage_init(
@@ -193,6 +244,11 @@ class Placement:
             return jax.pmap(fn, axis_name=self.axis_name)
         if self.mesh is None:
             return fn
+        if self.shard_state:
+            staged = self._jit(self._constrained(fn))
+            return self._keeping_param_shardings(
+                self._constrained(fn, others=False), staged, out_shardings
+            )
         return self._keeping_param_shardings(
             fn, self._jit(fn, out_shardings=self.replicated()), out_shardings
         )
@@ -232,8 +288,14 @@ class Placement:
         if self.kind == "mesh":
             if debug:
                 return fn
+            if self.shard_state:
+                staged = self._jit(self._constrained(fn))
+                kept = self._constrained(fn, others=False)
+                return self._keeping_param_shardings(kept, staged, out_shardings)
             replicated = self._jit(fn, out_shardings=self.replicated())
             return self._keeping_param_shardings(fn, replicated, out_shardings)
+        if self.shard_state:
+            return self._stage_sharded_shard_map(fn, debug, has_aux, out_shardings)
         axis = self.axis_name
 
         def local(params, state, rng, batch, func_state, *options):
@@ -285,6 +347,52 @@ class Placement:
             return compiled[key](params, *args)
 
         return call
+
+    def _stage_sharded_shard_map(
+        self, fn: Callable[..., Any], debug: bool, has_aux: bool, out_shardings: Any = None
+    ) -> Callable[..., Any]:
+        """`stage` under ``shard_map`` with ``shard_curvature_state``: the buffers of
+        every `ShardedEstimatorState` among the inputs and outputs are split over the
+        data axis (each device sees its own row), everything else as in `stage`."""
+        names, axis = _parameter_names(fn), self.axis_name
+        found: list[Any] = []  # the outputs' structure, with the sharded states cut out
+
+        def local(*args):
+            rng = jax.random.fold_in(args[2], jax.lax.axis_index(axis))
+            out = fn(*args[:2], rng, *args[3:])
+            aux = None
+            if has_aux and "aux" in out[-1]:
+                stats = dict(out[-1])
+                aux = jax.tree.map(lambda x: x[None], stats.pop("aux"))
+                out = (*out[:-1], stats)
+            leaves, treedef = jax.tree.flatten(out, is_leaf=_sharded_state.is_sharded)
+            sharded = [x if _sharded_state.is_sharded(x) else None for x in leaves]
+            rest = [None if _sharded_state.is_sharded(x) else x for x in leaves]
+            found[:] = [treedef]
+            return rest, aux, sharded
+
+        def staged(*args):
+            in_specs = tuple(
+                _P(axis) if name == "batch" else _sharded_state.sharded_state_specs(a, axis)
+                for name, a in zip(names, args, strict=False)
+            )
+            mapped = jax.shard_map(
+                local,
+                mesh=self.mesh,
+                in_specs=in_specs,
+                out_specs=(_P(), _P(axis), _P(axis)),
+                check_vma=False,
+            )
+            rest, aux, sharded = mapped(*args)
+            leaves = [s if s is not None else r for r, s in zip(rest, sharded, strict=True)]
+            out = jax.tree.unflatten(found[0], leaves)
+            if aux is None:
+                return out
+            return (*out[:-1], {**out[-1], "aux": aux})
+
+        if debug:
+            return staged
+        return self._keeping_param_shardings(staged, self._jit(staged), out_shardings)
 
     def _jit(self, fn: Callable[..., Any], **kwargs: Any) -> Callable[..., Any]:
         if self.compiler_options:
