@@ -11,7 +11,8 @@ as a script in 2 processes of 2 CPU devices each::
 which join over gloo (CPU collectives) with the coordinator at ``localhost:PORT``,
 read the parameters and the global batch from ``OUT/inputs.npz``, and write
 ``OUT/process_<id>.npz`` (the parameters, optimizer state and stats after each
-placement's steps) and the orbax checkpoints ``OUT/ckpt_mesh``, ``OUT/ckpt_pmap``.
+placement's steps) and the orbax checkpoints ``OUT/ckpt_mesh``, ``OUT/ckpt_pmap``,
+``OUT/ckpt_sharded_state``.
 Last, they run the training of examples/multiprocess.py for a few steps (the
 recipe docs/scaling.md shows); the first process prints its losses.
 """
@@ -33,7 +34,8 @@ from test_optimizer import ADAPTIVE, mlp_loss
 import kfacx
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "multiprocess.py"
-PLACEMENTS = ("mesh", "shard_map", "pmap")
+#: ``sharded_state``: the sharded jit with ``shard_curvature_state=True``.
+PLACEMENTS = ("mesh", "shard_map", "pmap", "sharded_state")
 STEPS = 10
 STATS = ("loss", "learning_rate", "momentum", "damping")
 OPTIONS = dict(
@@ -56,7 +58,11 @@ def optimizer(placement: str) -> kfacx.Optimizer:
         return kfacx.Optimizer(jax.value_and_grad(mlp_loss), multi_device=True, **OPTIONS)
     mesh = jax.make_mesh((jax.device_count(),), ("data",))
     return kfacx.Optimizer(
-        jax.value_and_grad(mlp_loss), mesh=mesh, use_shard_map=placement == "shard_map", **OPTIONS
+        jax.value_and_grad(mlp_loss),
+        mesh=mesh,
+        use_shard_map=placement == "shard_map",
+        shard_curvature_state=placement == "sharded_state",
+        **OPTIONS,
     )
 
 
@@ -85,6 +91,14 @@ def train(placement: str, params, batch):
     return opt, params, state, stats
 
 
+def gathered(opt: kfacx.Optimizer, state):
+    """``state`` with a sharded curvature state read back per block (its rows live on
+    the devices of all processes: replicated first, so that every process reads them)."""
+    rep = NamedSharding(opt.placement.mesh, PartitionSpec())
+    buffers = jax.jit(lambda b: b, out_shardings=rep)(state.estimator_state)
+    return state._replace(estimator_state=kfacx.gather_estimator_state(opt.estimator, buffers))
+
+
 def flat(placement: str, params, state, stats=None) -> dict[str, np.ndarray]:
     """The results as NumPy arrays named ``<placement>/<path>``, e.g. ``mesh/[0]['w1']``
     (params), ``mesh/[1].damping`` (state), ``mesh/stats/loss``."""
@@ -102,13 +116,14 @@ def main(process_id: int, num_processes: int, port: int, out: pathlib.Path) -> N
     params = {name: inputs[name] for name in ("w1", "b1", "w2", "b2")}
     results, checkpointer = {}, ocp.StandardCheckpointer()
     for placement in PLACEMENTS:
-        _, p, state, stats = train(placement, params, (inputs["x"], inputs["y"]))
-        results.update(flat(placement, p, state, stats))
-        # Mesh arrays are global; pmap's first copy is local to each process, so
-        # it is saved as NumPy arrays (written by the first process).
+        opt, p, state, stats = train(placement, params, (inputs["x"], inputs["y"]))
+        sharded = placement == "sharded_state"
+        results.update(flat(placement, p, gathered(opt, state) if sharded else state, stats))
+        # Mesh arrays are global (the sharded state's rows too); pmap's first copy is
+        # local to each process, so it is saved as NumPy arrays (by the first process).
         tree = {"params": p, "state": state}
         if placement != "shard_map":
-            tree = tree if placement == "mesh" else jax.device_get(tree)
+            tree = jax.device_get(tree) if placement == "pmap" else tree
             checkpointer.save(out / f"ckpt_{placement}", tree)
     checkpointer.wait_until_finished()
     key = kfacx.parallel.make_different_rng_key_on_all_devices(jax.random.key(5))

@@ -1,7 +1,8 @@
 """Several processes (multi-controller JAX, as on several hosts): 2 processes of 2 CPU
 devices, joined with `jax.distributed` over gloo, each feeding only its own rows, take
-the steps of this process with 4 devices, under the sharded jit, shard_map and pmap;
-their orbax checkpoints restore in one process.
+the steps of this process with 4 devices, under the sharded jit, shard_map and pmap,
+and with the curvature state sharded over the devices of both processes; their orbax
+checkpoints restore in one process.
 
 The two processes run tests/_multiprocess_worker.py once for all the checks, and
 then the training of examples/multiprocess.py.
@@ -94,6 +95,7 @@ def _run(out: pathlib.Path) -> dict:
         try:
             # While the two processes run: one process with 4 devices, under the sharded
             # jit (tests/test_distributed.py shows the placements agree to 1e-9 in float64).
+            # The sharded curvature state, read back per block, is the replicated one.
             one_process = worker.train("mesh", params, batch)[1:]
             want = {}
             for placement in worker.PLACEMENTS:
@@ -131,11 +133,19 @@ def _check_checkpoint(runs: dict, placement: str) -> None:
     """The checkpoint the two processes wrote restores here, on one device."""
     params, batch = runs["params"], runs["batch"]
     with jax.enable_x64(True):
-        opt = kfacx.Optimizer(jax.value_and_grad(mlp_loss), **worker.OPTIONS)
+        if placement == "sharded_state":  # onto this process's mesh of as many devices
+            opt = worker.optimizer(placement)
+        else:
+            opt = kfacx.Optimizer(jax.value_and_grad(mlp_loss), **worker.OPTIONS)
         template = {"params": params, "state": opt.init(params, jax.random.key(7), batch)}
         restored = ocp.StandardCheckpointer().restore(runs["out"] / f"ckpt_{placement}", template)
-    assert restored["state"].damping.sharding.device_set == {jax.devices()[0]}
-    got = worker.flat(placement, restored["params"], restored["state"])
+        state = restored["state"]
+        if placement == "sharded_state":
+            assert not state.estimator_state.buffers[0].sharding.is_fully_replicated
+            state = worker.gathered(opt, state)
+        else:
+            assert state.damping.sharding.device_set == {jax.devices()[0]}
+    got = worker.flat(placement, restored["params"], state)
     _assert_equal_to_one_process(got, runs["want"], f"{placement}/[", f"restored {placement}")
 
 
@@ -159,17 +169,18 @@ def test_two_processes_of_two_devices_act_as_one_process_of_four(tmp_path):
     """One test, so that one pair of processes serves every check (pytest-xdist
     spreads the tests of a file over its workers, and each would start its own).
 
-    - 10 adaptive steps under the sharded jit, shard_map and pmap: the parameters,
-      optimizer state and stats of one process with 4 devices;
+    - 10 adaptive steps under the sharded jit, shard_map and pmap, and the sharded
+      jit with a sharded curvature state: the parameters, optimizer state and stats
+      of one process with 4 devices;
     - the orbax checkpoints the two processes wrote (mesh: global arrays; pmap: the
-      first copy as NumPy arrays) restore in one process;
+      first copy as NumPy arrays; the sharded state's rows) restore in one process;
     - every device of every process gets its own rng key;
     - the example's training runs in the two processes.
     """
     runs = _run(tmp_path)
     for placement in worker.PLACEMENTS:
         _check_steps(runs, placement)
-    for placement in ("mesh", "pmap"):
+    for placement in ("mesh", "pmap", "sharded_state"):
         _check_checkpoint(runs, placement)
     _check_keys(runs)
     _check_example(runs)
