@@ -77,8 +77,13 @@ def problem():
     shapes = dict(w1=(DI, DH), b1=(DH,), s=(DH,), w2=(DH, DH), ls=(DH,), w3=(DH, DO))
     params = {k: _random(rng, *s, scale=0.5 if k == "ls" else 1.0) for k, s in shapes.items()}
     data = (_random(rng, B, DI), _random(rng, B, DO))
-    ref = dict(params, **{k: f(params[k]) for k, (f, _) in MAPS.items()})
-    d = {k: MAPS[k][1](v) if k in MAPS else jnp.ones_like(v) for k, v in params.items()}
+
+    @jax.jit  # one compilation instead of one per operation run eagerly
+    def mapped(params):
+        ref = dict(params, **{k: f(params[k]) for k, (f, _) in MAPS.items()})
+        return ref, {k: MAPS[k][1](v) if k in MAPS else jnp.ones_like(v) for k, v in params.items()}
+
+    ref, d = mapped(params)
     return params, data, ref, np.concatenate([np.ravel(a) for a in jax.tree_util.tree_leaves(d)])
 
 
@@ -236,7 +241,8 @@ def test_scales_are_the_exact_ggn_diagonal():
     params, data, _, _ = problem()
     (_, dense, *_), _, _ = estimates()
     flat, unravel = jax.flatten_util.ravel_pytree(params)
-    jac = jax.jacfwd(lambda f: net(unravel(f), data[0]).reshape(-1))(flat)
+    # jitted: one compilation instead of one per operation run eagerly
+    jac = jax.jit(jax.jacfwd(lambda f: net(unravel(f), data[0]).reshape(-1)))(flat)
     ggn = 2.0 / B * jac.T @ jac  # mean over the batch of sum((out - t)^2)
     layout = _layout(params)
     for name in ("s", "ls"):
@@ -295,7 +301,7 @@ class QueryScaler(nn.Module):
 def test_flax_softplus_scale_is_served_through_its_map():
     params, data, *_ = problem()
     model = QueryScaler()
-    theta = model.init(KEY, data[0])
+    theta = jax.jit(model.init)(KEY, data[0])  # one compilation
     ref = jax.tree_util.tree_map(lambda a: a, theta)
     ref["params"]["scale"] = jax.nn.softplus(theta["params"]["scale"])
     d = jax.tree_util.tree_map(jnp.ones_like, theta)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import equinox as eqx
 import flax.linen as nn
 import jax
@@ -42,6 +44,7 @@ def _flax_problem(module, x_shape, classes):
     return (lambda p, b: _xent(module.apply(p, b[0]), b[1])), params, (x, labels)
 
 
+@functools.cache  # (built once: the test needs its static part again)
 def _equinox_mlp():
     # one compilation instead of one per operation run eagerly
     make = eqx.filter_jit(lambda key: eqx.nn.MLP(4, 3, 8, 2, activation=jnp.tanh, key=key))

@@ -110,7 +110,8 @@ def problem(name: str):
     parameters and vector are the reference's, split onto its leaves."""
     loss, init, to_fused, ref = FORMS[name]
     _, (ref_params, data), ref_vector, _ = reference(ref)
-    like = _f64(init())
+    # Only the shapes of the form's own parameters matter: traced, not run (no compilation).
+    like = jax.tree_util.tree_map(lambda s: np.zeros(s.shape), jax.eval_shape(init))
     perm = R.positions(like, to_fused)
     params, vector = (R.unpermuted(like, perm, tree) for tree in (ref_params, ref_vector))
     return loss, (params, data), vector, to_fused, ref
@@ -129,7 +130,8 @@ def estimates(name: str):
 def test_every_gate_leaf_is_one_concatenated_dense_layer(name):
     loss, args, _, _, ref = problem(name)
     ref_loss, ref_args, *_ = reference(ref)
-    R.assert_close(loss(*args), ref_loss(*ref_args))  # the reference is the same function
+    # The reference is the same function (jitted: one compilation, not one per operation).
+    R.assert_close(jax.jit(loss)(*args), jax.jit(ref_loss)(*ref_args))
     est = estimates(name)[0][0]
     report = est.report
     assert report.unmatched == () and report.notes == ()
@@ -157,7 +159,10 @@ def test_tagged_function_has_the_same_value_and_gradient():
         warnings.simplefilter("error")
         tagged, report = kfacx.auto_register_tags(value, args)
     assert report.unmatched == () and report.notes == ()
-    got, want = jax.jit(jax.value_and_grad(tagged))(*args), jax.value_and_grad(loss)(*args)
+    # One compilation for both sides (not one per operation of the untagged one run eagerly).
+    got, want = jax.jit(lambda *a: (jax.value_and_grad(tagged)(*a), jax.value_and_grad(loss)(*a)))(
+        *args
+    )
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
         R.assert_close(a, b)
 
@@ -194,7 +199,10 @@ def test_flax_cells_under_scan_are_fully_matched(name):
     make, out = R.FLAX_CELLS[name]
     model = make()
     xs = R.batch()[0].astype(jnp.float32)  # (the cells' carry is float32)
-    params = model.init(KEY, xs)
+    # Detection needs the parameters' shapes only: traced, not run (no compilation).
+    params = jax.tree_util.tree_map(
+        lambda s: np.zeros(s.shape, s.dtype), jax.eval_shape(model.init, KEY, xs)
+    )
     data = (xs, jnp.zeros((R.B, R.T, out), xs.dtype))
 
     def value(p, data):  # as the optimizer traces it

@@ -185,7 +185,7 @@ def lm_batch(seed=1, dtype=jnp.int32):
     for i in range(T):
         noise = rng.integers(0, V, B)
         seq[:, i + 1] = np.where(rng.random(B) < 0.2, noise, nxt[seq[:, i]])
-    return jnp.asarray(seq[:, :-1], dtype), jnp.asarray(seq[:, 1:], dtype)
+    return np.asarray(seq[:, :-1], dtype), np.asarray(seq[:, 1:], dtype)
 
 
 def _lm_expected(embed, tied, norm):
@@ -234,7 +234,7 @@ def token_batch(seed=2):
     """Features ``[B, T, D]`` and a 3-class label per position."""
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(B, T, D))
-    return jnp.asarray(x, jnp.float32), jnp.asarray((x[..., 0] > 0) + (x[..., 1] > 0), jnp.int32)
+    return x.astype(np.float32), ((x[..., 0] > 0) + (x[..., 1] > 0)).astype(np.int32)
 
 
 # ----------------------------------------------------------------------------- MoE
@@ -337,14 +337,14 @@ def conv_loss(tag=False):
 def conv_batch(seed=3):
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(B, 3, 6, 6))
-    return jnp.asarray(x, jnp.float32), jnp.asarray((x[:, 0].mean((1, 2)) > 0) * 2, jnp.int32)
+    return x.astype(np.float32), ((x[:, 0].mean((1, 2)) > 0) * 2).astype(np.int32)
 
 
 # ----------------------------------------------------------------------------- checks
 
 
 def _f32(tree):
-    return jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), tree)
+    return jax.tree.map(lambda a: np.asarray(a, np.float32), tree)  # (NumPy: no compilation)
 
 
 def _detect(loss, params, batch):
@@ -370,7 +370,6 @@ def _train(loss, params, batch, steps, learning_rate, momentum=0.5):
         momentum_schedule=momentum,
         initial_damping=1e-2,
         num_burnin_steps=0,
-        compiler_options=kfacx.fast_compile_options(),
     )
     losses = []
     with warnings.catch_warnings():
@@ -515,7 +514,7 @@ def test_moe_experts_on_all_tokens_equal_hand_tagging(x64):
     """``einsum('nd,edf->enf')`` (`jnp.einsum` emits ``dot_general(w, x)`` and a
     transpose) is the stacked dense layer on ``x`` broadcast to the experts."""
     x, labels = token_batch()
-    args = (moe_params(), (jnp.asarray(x, jnp.float64), labels))
+    args = (moe_params(), (np.asarray(x, np.float64), labels))
     report = _assert_curvature_equals_hand_tagging(
         moe_loss("topk"), moe_loss("topk", tag=True), args
     )
@@ -539,7 +538,7 @@ def test_nchw_conv_with_broadcast_bias_is_matched_and_trains():
 
 def test_nchw_conv_curvature_equals_hand_tagging(x64):
     x, labels = conv_batch()
-    args = (conv_params(), (jnp.asarray(x, jnp.float64), labels))
+    args = (conv_params(), (np.asarray(x, np.float64), labels))
     report = _assert_curvature_equals_hand_tagging(conv_loss(), conv_loss(tag=True), args)
     _assert_matched(report, CONV_EXPECTED)
 

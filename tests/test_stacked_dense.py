@@ -207,15 +207,6 @@ def test_per_head_weights_train():
     assert np.all(np.isfinite(losses)) and losses[-1] < 0.7 * losses[0], losses
 
 
-def test_vmapped_ensemble_trains():
-    params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32) * 0.5, _params(3))
-    rng = np.random.default_rng(4)
-    x = jnp.asarray(rng.normal(size=(32, I)), jnp.float32)
-    t = jnp.asarray((x[:, 0] > 0).astype(np.int32))
-    _, losses = fixed_rate_run(_vmapped_loss(True), params, (x, t), 6)
-    assert np.all(np.isfinite(losses)) and losses[-1] < 0.7 * losses[0], losses
-
-
 def test_register_dense_with_a_batch_dimension_computes_the_stacked_layer():
     rng = np.random.default_rng(5)
     x, w, b = rng.normal(size=(M, B, I)), rng.normal(size=(M, I, O)), rng.normal(size=(M, O))
@@ -336,13 +327,17 @@ def _nnx_ensemble():
     ids=["flax_linen", "flax_nnx", "equinox"],
 )
 def test_framework_ensembles_are_stacked_layers_and_train(make):
+    """Ensembles vmapped over their members with a shared input by Flax linen, Flax NNX and
+    Equinox (each a `jax.vmap`, as ``_vmapped_loss(True)``): stacked layers, and a few
+    optimizer steps lower the loss by 30 % or more (the training of the plain `jax.vmap`
+    ensemble is theirs)."""
     loss, params, batch = make()
     opt, losses = fixed_rate_run(loss, params, batch, 4)
     report = opt.estimator.report
     assert report.notes == () and report.unmatched == ()
     assert {e.stack_size for e in report.entries} == {M}
     assert {e.block for e in report.entries} == {"StackedBlock(DenseTwoKroneckerFactored)"}
-    assert np.all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+    assert np.all(np.isfinite(losses)) and losses[-1] < 0.7 * losses[0], losses
 
 
 def test_detected_stacked_dense_inside_a_scan_falls_back_with_a_note(x64):

@@ -85,8 +85,9 @@ def tagged_layers(case: M.Case, tagged) -> list[tuple]:
 def test_tagged_function_has_same_value_and_gradient(name):
     case = CASES[name]
     tagged, _, _ = registered(name)
-    got = jax.jit(jax.value_and_grad(tagged))(*case.args)
-    want = jax.jit(jax.value_and_grad(case.loss))(*case.args)
+    # One compilation for both sides.
+    both = jax.jit(lambda *a: (jax.value_and_grad(tagged)(*a), jax.value_and_grad(case.loss)(*a)))
+    got, want = both(*case.args)
     assert_trees_close(got, want)
 
 
@@ -136,7 +137,8 @@ def test_tagged_jaxpr_has_one_layer_tag_per_layer(name):
 def test_tagged_function_jits_and_checks_shapes():
     case = CASES["mlp"]
     tagged, _, _ = registered("mlp")
-    np.testing.assert_allclose(tagged(*case.args), case.loss(*case.args), **TOL)
+    # one compilation each instead of one per operation run eagerly
+    np.testing.assert_allclose(jax.jit(tagged)(*case.args), jax.jit(case.loss)(*case.args), **TOL)
     params, (x, t) = case.args
     with pytest.raises(ValueError, match="auto_register_tags again"):
         tagged(params, (x[:1], t[:1]))
@@ -151,7 +153,9 @@ def test_params_index_other_than_zero():
     tagged, report = auto_register_tags(loss, (case.batch, case.params), params_index=1)
     _, want, _ = registered("mlp")
     assert report.entries == want.entries
-    np.testing.assert_allclose(tagged(case.batch, case.params), case.loss(*case.args), **TOL)
+    # one compilation instead of one per operation run eagerly
+    got, want = jax.jit(lambda b, p: (tagged(b, p), case.loss(p, b)))(case.batch, case.params)
+    np.testing.assert_allclose(got, want, **TOL)
 
 
 def test_parameters_inside_a_while_loop_fall_back_with_a_note():
@@ -177,7 +181,8 @@ def test_parameters_inside_a_while_loop_fall_back_with_a_note():
     assert {e.path: e.tag for e in report.entries} == {"w0": M.DENSE, "ws": M.GENERIC}
     assert any("`while`" in n for n in report.notes)
     # (Reverse-mode differentiation does not go through while loops.)
-    np.testing.assert_allclose(tagged(params, batch), loss(params, batch), rtol=1e-6)
+    got, want = jax.jit(lambda *a: (tagged(*a), loss(*a)))(params, batch)  # (one compilation)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
 # ----------------------------------------------------------------------------- known gaps
@@ -292,8 +297,8 @@ def _ggn_exact(est, args):
 def test_auto_and_hand_tagged_curvature_agree(name):
     loss, hand_loss, params, batch = EQUIVALENCE[name]
     args = (params, batch)
-    # one compilation each instead of one per operation run eagerly
-    np.testing.assert_allclose(jax.jit(hand_loss)(*args), jax.jit(loss)(*args), **TOL)
+    # one compilation for both instead of one per operation run eagerly
+    np.testing.assert_allclose(*jax.jit(lambda *a: (hand_loss(*a), loss(*a)))(*args), **TOL)
     auto = kfacx.BlockDiagonalCurvature(loss)
     hand = kfacx.BlockDiagonalCurvature(hand_loss, auto_register_tags=False)
     with warnings.catch_warnings():
@@ -344,7 +349,7 @@ def test_on_unmatched_warn_gives_generic_tag_and_diagonal_block(kind):
         "p": (M.GENERIC, "unmatched", "Diagonal"),
         "w": (M.DENSE, "dense", "DenseTwoKroneckerFactored"),
     }
-    dense = np.asarray(est.to_dense_matrix(state))
+    dense = np.asarray(jax.jit(est.to_dense_matrix)(state))  # (one compilation)
     assert dense.shape == (15, 15) and np.all(np.isfinite(dense))
     # The fallback block of p is estimated (a non-zero diagonal).
     assert np.all(np.diag(dense)[:3] > 0)
@@ -372,7 +377,7 @@ def test_on_unmatched_full_gives_a_full_block_without_warning(kind):
         state = _update(est, _unmatched_args())
     blocks = {e.path: (e.tag, e.block) for e in est.report.entries}
     assert blocks == {"p": (M.GENERIC, "Full"), "w": (M.DENSE, "DenseTwoKroneckerFactored")}
-    assert np.all(np.isfinite(np.asarray(est.to_dense_matrix(state))))
+    assert np.all(np.isfinite(np.asarray(jax.jit(est.to_dense_matrix)(state))))
 
 
 def test_unknown_on_unmatched_raises():

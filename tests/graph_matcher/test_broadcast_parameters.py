@@ -294,7 +294,6 @@ def test_attention_pooling_with_a_lingvo_norm_trains():
         momentum_schedule=0.5,
         initial_damping=1e-2,
         num_burnin_steps=0,
-        compiler_options=kfacx.fast_compile_options(),
     )
     losses = []
     with warnings.catch_warnings():

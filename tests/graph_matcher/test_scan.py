@@ -110,6 +110,11 @@ def fast_jit(fun, **kwargs):
     return jax.jit(fun, compiler_options={"xla_backend_optimization_level": 0}, **kwargs)
 
 
+def _both(transform, tagged, loss, args):
+    """``transform`` of ``tagged`` and of ``loss`` at ``args``: one compilation for both."""
+    return fast_jit(lambda *a: (transform(tagged)(*a), transform(loss)(*a)))(*args)
+
+
 def unrolled_positions(params, to_unrolled) -> np.ndarray:
     """``perm`` with ``unrolled_flat = scan_flat[perm]`` (pytree-leaf order, row-major)."""
     leaves, tree = jax.tree_util.tree_flatten(params)
@@ -196,8 +201,7 @@ def test_tagged_function_has_same_value_and_gradient(name, variant):
         warnings.simplefilter("error")
         tagged, report = kfacx.auto_register_tags(loss, args)
     assert report.unmatched == () and report.notes == ()
-    got, want = fast_jit(jax.value_and_grad(tagged))(*args), jax.value_and_grad(loss)(*args)
-    assert_trees_close(got, want)
+    assert_trees_close(*_both(jax.value_and_grad, tagged, loss, args))
     # The tags sit inside the scan's body.
     (scan,) = [e for e in jax.make_jaxpr(tagged)(*args).jaxpr.eqns if e.primitive.name == "scan"]
     assert kfacx._jaxpr.contains_tags(scan.params["jaxpr"].jaxpr)
@@ -504,7 +508,7 @@ def test_two_levels_of_stacking_raise_or_fall_back():
         tagged, report = kfacx.auto_register_tags(loss, args)
     assert report.unmatched == ("w",)
     assert {e.path: e.tag for e in report.entries} == {"w": "generic_tag", "out": "dense_tag"}
-    assert_trees_close(jax.grad(tagged)(*args), jax.grad(loss)(*args))
+    assert_trees_close(*_both(jax.grad, tagged, loss, args))
     est = kfacx.BlockDiagonalCurvature(loss)
     with warned("two levels", r"no layer pattern matched.*\['w'\]"):
         est.init(KEY, args)
@@ -543,7 +547,7 @@ def test_mixed_stacked_and_shared_parameters_raise_or_are_split():
         "w": ("dense_tag", "dense", DEPTH, 1),
         "b": ("scale_and_shift_tag", "shift", None, DEPTH),
     }
-    assert_trees_close(jax.grad(tagged)(*args), jax.grad(loss)(*args))
+    assert_trees_close(*_both(jax.grad, tagged, loss, args))
 
 
 def test_tags_in_while_loop_raise_and_carried_parameters_fall_back():
@@ -573,7 +577,7 @@ def test_tags_in_while_loop_raise_and_carried_parameters_fall_back():
     with warned(r"as its carry.*\['w'\]", r"no layer pattern matched.*\['w'\]"):
         tagged, report = kfacx.auto_register_tags(carry_loss, (dict(w=w), batch))
     assert report.unmatched == ("w",)
-    assert_trees_close(jax.grad(tagged)(dict(w=w), batch), jax.grad(carry_loss)(dict(w=w), batch))
+    assert_trees_close(*_both(jax.grad, tagged, carry_loss, (dict(w=w), batch)))
 
 
 def test_tagged_scan_body_constants_become_const_operands():
@@ -681,7 +685,8 @@ def test_optimizer_trains_a_layer_stack():
     state = opt.init(params, KEY, batch)
     assert opt.estimator.report.unmatched == ()
     assert f"StackedBlock({DENSE_KF})" in [b.block_name for b in opt.estimator.blocks]
-    start = loss(params, batch)
+    value = fast_jit(loss)  # one compilation instead of one per operation run eagerly
+    start = value(params, batch)
     for i in range(5):
         params, state, _ = opt.step(params, state, jax.random.PRNGKey(i), batch=batch)
-    assert float(loss(params, batch)) < 0.7 * float(start)
+    assert float(value(params, batch)) < 0.7 * float(start)
