@@ -48,20 +48,26 @@ def rel_error(got, want) -> float:
     return float(np.linalg.norm(np.asarray(got) - want) / np.linalg.norm(want))
 
 
-def estimate(est, params, batch, mode=None, seed=0):
+def estimate(est, params, batch, mode=None, seed=0, jit=False):
     """One update with (ema_old, ema_new) = (0, 1); returns ``(state, dense_matrix)``.
 
-    Runs eagerly: with many small, differently shaped models the per-primitive
-    compilation cache makes that much faster than a fresh `jax.jit` per call
-    (jit is tested separately).
+    Runs eagerly: with many small models of the same shapes the per-primitive
+    compilation cache makes that much faster than a fresh `jax.jit` per call (jit is
+    tested separately). ``jit=True``: one program, cheaper for a model whose shapes or
+    blocks no other test runs eagerly.
     """
     key = jax.random.PRNGKey(seed)
     args = (params, batch)
     state = est.init(key, args)
-    state = est.update_curvature_matrix_estimate(
-        state, 0.0, 1.0, None, key, args, estimation_mode=mode
-    )
-    return state, np.asarray(est.to_dense_matrix(state), np.float64)
+
+    def run(state, args):
+        state = est.update_curvature_matrix_estimate(
+            state, 0.0, 1.0, None, key, args, estimation_mode=mode
+        )
+        return state, est.to_dense_matrix(state)
+
+    state, dense = (jax.jit(run) if jit else run)(state, args)
+    return state, np.asarray(dense, np.float64)
 
 
 def _jitted_ggn_exact_dense(est, state, args) -> np.ndarray:
@@ -148,7 +154,7 @@ def test_ggn_exact_sequence_inputs(kind):
     x, t = make_batch(kind, SIZES_2, batch=3, seed=6, seq=2)
     assert x.shape == (3, 2, SIZES_2[0])
     est = kfacx.BlockDiagonalCurvature(make_tagged_mlp(kind), default_estimation_mode="ggn_exact")
-    state, matrix = estimate(est, params, (x, t))
+    state, matrix = estimate(est, params, (x, t), jit=True)
     factors = hand_kfac_factors(kind, params, x, 1.0)
     for block_state, (a, g) in zip(state.blocks, factors, strict=True):
         assert_close(block_state.factors[0].value[0], a)
@@ -176,7 +182,7 @@ def test_ggn_exact_two_losses_sum_their_curvatures():
         return 0.0
 
     est = kfacx.BlockDiagonalCurvature(loss_fn, default_estimation_mode="ggn_exact")
-    _, matrix = estimate(est, params, (x, labels, targets))
+    _, matrix = estimate(est, params, (x, labels, targets), jit=True)
 
     flat_params, unravel = ravel_pytree(params)
 
@@ -481,7 +487,7 @@ def test_full_blocks_equal_exact_ggn_blocks(batch_size):
         layer_tag_to_block_ctor={"dense_tag": kfacx.blocks.Full},
         default_estimation_mode="ggn_exact",
     )
-    _, matrix = estimate(est, params, (x, t))
+    _, matrix = estimate(est, params, (x, t), jit=True)
     assert all(type(b) is kfacx.blocks.Full for b in est.blocks)
     ggn = exact_ggn("softmax", params, x, 1.0)
     assert_close(matrix, masked_to_blocks(ggn, mlp_layer_index(params)))
@@ -495,7 +501,7 @@ def test_diagonal_blocks_equal_exact_ggn_diagonal():
         layer_tag_to_block_ctor={"dense_tag": kfacx.blocks.Diagonal},
         default_estimation_mode="ggn_exact",
     )
-    _, matrix = estimate(est, params, (x, t))
+    _, matrix = estimate(est, params, (x, t), jit=True)
     assert all(type(b) is kfacx.blocks.Diagonal for b in est.blocks)
     ggn = exact_ggn("softmax", params, x, 1.0)
     assert_close(matrix, np.diag(np.diag(ggn)))
@@ -578,7 +584,7 @@ def test_pmap_statistics_equal_full_batch_statistics():
         state0, params, shard_x, shard_t, key
     )
     single = kfacx.BlockDiagonalCurvature(loss_fn, default_estimation_mode="ggn_exact")
-    _, want = estimate(single, params, (x, t))
+    _, want = estimate(single, params, (x, t), jit=True)
     for d in range(num_devices):
         state_d = jax.tree_util.tree_map(lambda leaf, d=d: np.asarray(leaf)[d], states)
         assert_close(est.to_dense_matrix(state_d), want)

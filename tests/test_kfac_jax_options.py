@@ -308,7 +308,8 @@ def test_step_rejection_keeps_parameters_and_momentum_when_rho_is_negative():
     state = opt.init(params, jax.random.key(0), batch)
     good, state1, stats1 = opt.step(params, state, jax.random.key(1), batch, learning_rate=0.05)
     assert not bool(stats1["rejected"]) and float(stats1["rho"]) > 0
-    assert float(mlp_loss(good, batch)) < float(mlp_loss(params, batch))
+    loss = jax.jit(mlp_loss)  # one compilation instead of one per operation run eagerly
+    assert float(loss(good, batch)) < float(loss(params, batch))
     np.testing.assert_allclose(flat(good) - flat(params), flat(state1.velocities), atol=1e-7)
 
     big_batch = (batch[0] * 3.0, batch[1])  # another batch, for a fresh curvature update
@@ -447,7 +448,7 @@ def test_precon_damping_schedule_gives_the_preconditioner_damping():
     state, p1, state1, _ = one_step(opt, params, batch, damping=0.01)
     p2, _, _ = opt.step(params, state, jax.random.key(8), batch, damping=5.0)
     np.testing.assert_array_equal(flat(p1), flat(p2))
-    grads = jax.grad(mlp_loss)(params, batch)
+    grads = jax.jit(jax.grad(mlp_loss))(params, batch)  # one compilation, not one per operation
     expected = jax.jit(opt.estimator.multiply_matpower, static_argnums=3)(
         state1.estimator_state, grads, 0.2, -1
     )
@@ -479,6 +480,7 @@ def test_path_exclusions_leave_parameters_out_of_the_regularized_objective():
             **DETERMINISTIC,
         )
 
+        @jax.jit  # one compilation instead of one per operation run eagerly
         def objective(p):
             return linear_loss(p, batch) + 0.5 * l2 * jnp.vdot(p["w"], p["w"])
 
@@ -520,7 +522,7 @@ def test_path_exclusions_drop_weight_decay_and_the_l2_damping_of_excluded_blocks
     )
     _, new_params, new_state, _ = one_step(opt, params, batch)
     precon = jax.tree.map(lambda a, b: (a - b) / lr, params, new_params)
-    grads = jax.grad(scaled_mlp_loss)(params, batch)
+    grads = jax.jit(jax.grad(scaled_mlp_loss))(params, batch)  # one compilation
     est, est_state = opt.estimator, new_state.estimator_state
     names = est.params_to_blocks({k: k for k in params})
     (s_block,) = [i for i, n in enumerate(names) if n == ("s",)]

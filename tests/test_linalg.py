@@ -29,6 +29,14 @@ def _f32(x):
     return jnp.asarray(np.asarray(x, np.float32), jnp.float32)
 
 
+# Jitted once per shape (and x64 setting): run eagerly, every operation of these
+# functions compiles on its own. The cheap tests above the robustness section call the
+# functions eagerly.
+_jit_inverse = jax.jit(linalg.psd_inverse)
+_jit_matpower = jax.jit(linalg.psd_matpower, static_argnums=1)
+_jit_eigh = jax.jit(linalg.safe_eigh)
+
+
 def _close(actual, expected, rtol=1e-5):
     actual = np.asarray(actual, np.float64)
     expected = np.asarray(expected, np.float64)
@@ -80,7 +88,7 @@ def test_add_to_diagonal_stack_scalar_value():
 def test_safe_eigh_psd_reconstructs():
     rng = np.random.default_rng(1)
     m = _psd(rng, 5, k=3)
-    vals, vecs = linalg.safe_eigh(_f32(m))
+    vals, vecs = _jit_eigh(_f32(m))
     assert vals.shape == (3, 5) and vecs.shape == (3, 5, 5)
     _close((vecs * vals[:, None, :]) @ np.swapaxes(vecs, -1, -2), m, rtol=1e-5)
     _close(vals, np.linalg.eigvalsh(m), rtol=1e-5)
@@ -122,7 +130,7 @@ def test_psd_inverse_single(rank):
 
 
 def test_psd_inverse_1x1():
-    _close(linalg.psd_inverse(_f32([[2.0]]), 0.5), [[0.4]])
+    _close(_jit_inverse(_f32([[2.0]]), 0.5), [[0.4]])
 
 
 def test_psd_inverse_uses_symmetric_part():
@@ -130,14 +138,14 @@ def test_psd_inverse_uses_symmetric_part():
     s = _psd(rng, 4)
     skew = np.triu(rng.standard_normal((4, 4)), 1)
     skew = skew - skew.T
-    _close(linalg.psd_inverse(_f32(s + skew), 0.2), np.linalg.inv(s + 0.2 * np.eye(4)), 1e-4)
+    _close(_jit_inverse(_f32(s + skew), 0.2), np.linalg.inv(s + 0.2 * np.eye(4)), 1e-4)
 
 
 def test_psd_inverse_stack():
     rng = np.random.default_rng(6)
     m = _psd(rng, 4, k=3)
     damping = np.array([0.1, 0.5, 1.0])
-    out = linalg.psd_inverse(_f32(m), _f32(damping))
+    out = _jit_inverse(_f32(m), _f32(damping))
     _close(
         out,
         np.stack([np.linalg.inv(a + d * np.eye(4)) for a, d in zip(m, damping, strict=True)]),
@@ -160,14 +168,14 @@ def test_psd_matpower_single(power):
 def test_psd_matpower_matches_psd_inverse():
     rng = np.random.default_rng(8)
     m = _f32(_psd(rng, 4))
-    _close(linalg.psd_matpower(m, -1.0, 0.3), linalg.psd_inverse(m, 0.3), rtol=1e-4)
+    _close(_jit_matpower(m, -1.0, 0.3), _jit_inverse(m, 0.3), rtol=1e-4)
 
 
 def test_psd_matpower_clips_negative_eigenvalues():
     """Negative eigenvalues count as zero: ``(0 + damping)^power``."""
     q, _ = np.linalg.qr(np.random.default_rng(9).standard_normal((3, 3)))
     m = (q * np.array([-0.5, 1.0, 3.0])) @ q.T
-    out = linalg.psd_matpower(_f32(m), -0.5, 0.25)
+    out = _jit_matpower(_f32(m), -0.5, 0.25)
     _close(out, (q * np.array([0.25, 1.25, 3.25]) ** -0.5) @ q.T, rtol=1e-5)
     assert np.all(np.isfinite(np.asarray(out)))
 
@@ -176,7 +184,7 @@ def test_psd_matpower_stack_per_matrix_damping():
     rng = np.random.default_rng(10)
     m = _psd(rng, 4, rank=2, k=3)
     damping = np.array([0.1, 0.5, 1.0])
-    out = linalg.psd_matpower(_f32(m), -0.5, _f32(damping))
+    out = _jit_matpower(_f32(m), -0.5, _f32(damping))
     _close(
         out,
         np.stack([_matpower_ref(a, -0.5, d) for a, d in zip(m, damping, strict=True)]),
@@ -187,7 +195,7 @@ def test_psd_matpower_stack_per_matrix_damping():
 def test_psd_matpower_stack_scalar_damping():
     rng = np.random.default_rng(11)
     m = _psd(rng, 4, k=2)
-    out = linalg.psd_matpower(_f32(m), -1.0, 0.5)
+    out = _jit_matpower(_f32(m), -1.0, 0.5)
     _close(out, np.stack([_matpower_ref(a, -1.0, 0.5) for a in m]), rtol=1e-4)
 
 
@@ -275,8 +283,13 @@ def _indefinite(seed=15, vals=(-1.0, 0.5, 2.0)):
     return m, np.asarray(m, np.float64)
 
 
+@jax.jit
+def _jit_cholesky(m, damping):
+    return jnp.linalg.cholesky(linalg.add_to_diagonal(m, damping))
+
+
 def _cholesky_fails(m, damping):
-    chol = jnp.linalg.cholesky(linalg.add_to_diagonal(_f32(m), damping))
+    chol = _jit_cholesky(_f32(m), damping)
     return not np.all(np.isfinite(np.asarray(chol)))
 
 
@@ -315,12 +328,12 @@ def test_psd_inverse_tiny_damping_uses_floor():
     m64 = np.asarray(m, np.float64)
     floor = EPS32 * np.trace(m64)
     assert _cholesky_fails(m, 1e-12)
-    out = linalg.psd_inverse(_f32(m), 1e-12)
+    out = _jit_inverse(_f32(m), 1e-12)
     assert np.all(np.isfinite(np.asarray(out)))
     expected = np.linalg.inv(m64 + floor * np.eye(64))
     # The damped system is at the edge of float32's precision (condition ~ 1 / eps).
     _close(out, expected, rtol=0.25)
-    power = linalg.psd_matpower(_f32(m), -0.5, 1e-12)
+    power = _jit_matpower(_f32(m), -0.5, 1e-12)
     assert np.all(np.isfinite(np.asarray(power)))
     _close(power, _matpower_ref(m64, -0.5, floor), rtol=0.25)
 
@@ -340,9 +353,9 @@ def test_psd_inverse_cholesky_failure_falls_back_to_eigh():
     eigenvalues clipped at zero, ``(m_+ + d I)^-1``."""
     m, m64 = _indefinite()
     assert _cholesky_fails(m, 0.1)
-    out = linalg.psd_inverse(_f32(m), 0.1)
+    out = _jit_inverse(_f32(m), 0.1)
     _close(out, _matpower_ref(m64, -1.0, 0.1), rtol=1e-5)
-    _close(out, linalg.psd_matpower(_f32(m), -1.0, 0.1), rtol=1e-5)
+    _close(out, _jit_matpower(_f32(m), -1.0, 0.1), rtol=1e-5)
 
 
 def test_psd_inverse_stack_only_failing_matrix_falls_back():
@@ -353,9 +366,9 @@ def test_psd_inverse_stack_only_failing_matrix_falls_back():
     bad, bad64 = _indefinite()
     stack = np.stack([good[0], bad, good[1]])
     damping = _f32([0.2, 0.1, 0.3])
-    out = np.asarray(linalg.psd_inverse(_f32(stack), damping))
-    np.testing.assert_array_equal(out[0], linalg.psd_inverse(_f32(good[0]), damping[0]))
-    np.testing.assert_array_equal(out[2], linalg.psd_inverse(_f32(good[1]), damping[2]))
+    out = np.asarray(_jit_inverse(_f32(stack), damping))
+    np.testing.assert_array_equal(out[0], _jit_inverse(_f32(good[0]), damping[0]))
+    np.testing.assert_array_equal(out[2], _jit_inverse(_f32(good[1]), damping[2]))
     _close(out[1], _matpower_ref(bad64, -1.0, 0.1), rtol=1e-5)
     _close(out[0], np.linalg.inv(good[0] + 0.2 * np.eye(3)), rtol=1e-4)
     # The fallback is a lax.cond (skipped at run time when no matrix needs it).
@@ -383,14 +396,14 @@ def test_psd_inverse_float64_retry_with_x64():
     assert _cholesky_fails(m, 1e-5)
     with jax.enable_x64(True):
         m32 = jnp.asarray(m, jnp.float32)
-        out = linalg.psd_inverse(m32, jnp.float32(1e-5))
+        out = _jit_inverse(m32, jnp.float32(1e-5))
         jaxpr = str(jax.make_jaxpr(linalg.psd_inverse)(m32, jnp.float32(1e-5)))
     assert out.dtype == jnp.float32
     assert "eigh" in jaxpr and "f64[6,6]" in jaxpr
     _close(out, expected, rtol=1e-6)
     # Without x64 the fallback runs in float32 and is visibly less accurate (so the
     # check above does see the float64 retry).
-    out32 = np.asarray(linalg.psd_inverse(_f32(m), 1e-5), np.float64)
+    out32 = np.asarray(_jit_inverse(_f32(m), 1e-5), np.float64)
     assert np.abs(out32 - expected).max() > 1e-4 * np.abs(expected).max()
     assert "f64" not in str(jax.make_jaxpr(linalg.psd_inverse)(_f32(m), 1e-5))
 
@@ -400,7 +413,7 @@ def test_safe_eigh_float64_retry_only_when_needed():
     rng = np.random.default_rng(18)
     m = _psd(rng, 4).astype(np.float32)
     with jax.enable_x64(True):
-        vals, vecs = linalg.safe_eigh(jnp.asarray(m, jnp.float32))
+        vals, vecs = _jit_eigh(jnp.asarray(m, jnp.float32))
     assert vals.dtype == vecs.dtype == jnp.float32
     _close(vals, np.linalg.eigvalsh(np.asarray(m, np.float64)), rtol=1e-5)
 
@@ -508,7 +521,7 @@ def test_block_inverse_above_the_base_matches_float64(monkeypatch):
             expected = np.linalg.inv(np.asarray(_f32(m), np.float64))
             assert np.abs(o - expected).max() <= 2e-4 * np.abs(expected).max()
             assert np.abs(o - o.T).max() <= 1e-5 * np.abs(expected).max()
-        plain = jnp.linalg.inv(_f32(a))  # an independent float32 inverse, for scale
+        plain = jax.jit(jnp.linalg.inv)(_f32(a))  # an independent float32 inverse, for scale
         assert np.abs(np.asarray(out[0]) - np.asarray(plain)).max() < 1e-2 * np.abs(plain).max()
         # Like the Cholesky path, only the lower triangle is read.
         skewed = np.tril(a) + np.triu(rng.standard_normal((n, n)), 1)
@@ -516,7 +529,8 @@ def test_block_inverse_above_the_base_matches_float64(monkeypatch):
     q, _ = np.linalg.qr(rng.standard_normal((40, 40)))
     indefinite = (q * np.linspace(-1.0, 2.0, 40)) @ q.T
     assert np.all(np.isnan(np.asarray(inverse(_f32(indefinite)))))
-    out = linalg.psd_inverse(_f32(indefinite), 0.1)
+    # A new function: no trace made with another base is reused.
+    out = jax.jit(lambda m, d: linalg.psd_inverse(m, d))(_f32(indefinite), 0.1)
     _close(out, _matpower_ref(np.asarray(_f32(indefinite), np.float64), -1.0, 0.1), rtol=1e-4)
 
 
@@ -537,12 +551,17 @@ def test_failed_block_inverse_is_caught_from_its_diagonal(monkeypatch):
     v = rng.standard_normal((n, 3))
     singular = v @ v.T  # rank 3
     stack = _f32(np.stack([good, lead_bad, schur_bad, singular]))
-    out = _inverse._inverse_by_cholesky(stack)
+
+    @jax.jit  # a new function (no trace made with another base); one compilation
+    def run(stack):
+        out = _inverse._inverse_by_cholesky(stack)
+        padded = linalg.pad_stack([stack], jnp.full((4,), 1e-30), 40)
+        return out, _inverse._finite_inverse(out), linalg.cholesky_inverse_padded(padded)[1]
+
+    out, finite, ok = run(stack)
     every_entry = np.isfinite(np.asarray(out)).all(axis=(-2, -1))
     np.testing.assert_array_equal(every_entry, [True, False, False, False])
-    np.testing.assert_array_equal(_inverse._finite_inverse(out), every_entry)
-    padded = linalg.pad_stack([stack], jnp.full((4,), 1e-30), 40)
-    _, ok = linalg.cholesky_inverse_padded(padded)
+    np.testing.assert_array_equal(finite, every_entry)
     np.testing.assert_array_equal(ok, [1.0, 0.0, 0.0, 0.0])
 
 

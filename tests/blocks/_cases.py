@@ -128,7 +128,7 @@ class Case:
 
     def params(self, seed: int = 0, dtype: Any = jnp.float32) -> tuple[jax.Array, ...]:
         rng = np.random.default_rng(seed)
-        return tuple(jnp.asarray(_normal(rng, s), dtype) for s in self.param_shapes)
+        return tuple(_cast(_normal(rng, s), dtype) for s in self.param_shapes)
 
     def data(self, seed: int = 0, dtype: Any = jnp.float32) -> dict[str, tuple[jax.Array, ...]]:
         """Random estimation data: ``inputs``, ``outputs``, ``params``, ``outputs_tangent``."""
@@ -141,18 +141,16 @@ class Case:
             x = _normal(rng, self.x_shape)
             if self.zero_inputs:
                 x = np.zeros_like(x)
-            x_in = (jnp.asarray(x, dtype),)
+            x_in = (_cast(x, dtype),)
             y = self.tag.compute(x_in, params, **self.meta)[0]
         dy = _normal(rng, (self.num_samples, *y.shape))
         if self.zero_tangents:
             dy = np.zeros_like(dy)
-        return dict(
-            inputs=x_in, outputs=(y,), params=params, outputs_tangent=(jnp.asarray(dy, dtype),)
-        )
+        return dict(inputs=x_in, outputs=(y,), params=params, outputs_tangent=(_cast(dy, dtype),))
 
     def vector(self, seed: int = 0, dtype: Any = jnp.float32) -> tuple[jax.Array, ...]:
         rng = np.random.default_rng(2000 + seed)
-        return tuple(jnp.asarray(_normal(rng, s), dtype) for s in self.param_shapes)
+        return tuple(_cast(_normal(rng, s), dtype) for s in self.param_shapes)
 
     def fitted(self, seed: int = 0, dtype: Any = jnp.float32, **init_kwargs: Any):
         """``(block, state, data)`` after one update with ``ema_old=0, ema_new=1``.
@@ -265,6 +263,22 @@ def all_products(case: Case, identity_weight: float):
     """`products` of both groups: ``[(block, state, vector, outputs), ...]`` (the state is
     the same unless the combined program failed)."""
     return [products(case, identity_weight, exact) for exact in (True, False)]
+
+
+def _cast(x: Any, dtype: Any) -> jax.Array:
+    """``x`` as a ``dtype`` device array, cast on the host (numpy rounds to nearest even,
+    like XLA): an eager cast would compile a conversion per shape and dtype."""
+    return jnp.asarray(np.asarray(np.asarray(x), dtype))
+
+
+def _host(x: Any) -> np.ndarray:
+    """A (possibly low-precision) array rounded to float32, in float64 numpy."""
+    return np.asarray(np.asarray(np.asarray(x), np.float32), np.float64)
+
+
+def flat(vector: Sequence[Any]) -> np.ndarray:
+    """`blocks.flatten_params` on the host (eagerly it compiles a program per shape)."""
+    return np.concatenate([np.ravel(np.asarray(v)) for v in vector])
 
 
 def _normal(rng: np.random.Generator, shape: Sequence[int]) -> np.ndarray:
@@ -381,7 +395,7 @@ def conv_patches_reference(block: blocks.ConvTwoKroneckerFactored, x: jax.Array)
     dn = meta["dimension_numbers"]
     w_shape = block.parameters_shapes[0]
     groups = meta["feature_group_count"]
-    x = jnp.asarray(x, jnp.float32)
+    x = _cast(x, jnp.float32)
 
     def conv(w):
         return jax.lax.conv_general_dilated(
@@ -396,7 +410,8 @@ def conv_patches_reference(block: blocks.ConvTwoKroneckerFactored, x: jax.Array)
             precision=HIGHEST,
         )
 
-    y, vjp = jax.vjp(conv, jnp.zeros(w_shape, jnp.float32))
+    zeros = jnp.zeros(w_shape, jnp.float32)
+    y = jax.eval_shape(conv, zeros)  # the conv runs in `to_matrices` only (one compilation)
     ch = dn.out_spec[1]
     out_features = y.shape[ch]
     per_group = out_features // groups
@@ -410,7 +425,7 @@ def conv_patches_reference(block: blocks.ConvTwoKroneckerFactored, x: jax.Array)
 
     @fast_jit
     def to_matrices(cot):
-        (grads,) = jax.vmap(vjp)(cot)
+        (grads,) = jax.vmap(jax.vjp(conv, zeros)[1])(cot)
         extra = () if not block.has_bias else (jnp.zeros((count, out_features), jnp.float32),)
         return jax.vmap(lambda *p: block.params_to_matrix(p))(grads, *extra)
 
@@ -424,7 +439,7 @@ def reference_kronecker_factors(case: Case, block, data, batch_size: int):
     """``(A, G)`` stacks ``[groups, n, n]`` and ``[groups, m, m]`` computed in float64."""
     (x,) = data["inputs"]
     (dy,) = data["outputs_tangent"]
-    dy = np.asarray(jnp.asarray(dy, jnp.float32), np.float64)
+    dy = _host(dy)
     if case.is_conv:
         rows = conv_patches_reference(block, x)
         dn = case.meta["dimension_numbers"]
@@ -434,7 +449,7 @@ def reference_kronecker_factors(case: Case, block, data, batch_size: int):
     else:
         # Rows: every free position of x; features: its contracted axes (in the order of
         # the contraction); outputs: the weight's free axes, which end y.
-        x = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+        x = _host(x)
         (x_axes, w_axes), _ = case.meta["dimension_numbers"]
         w_shape = case.param_shapes[0]
         n_in = math.prod(w_shape[a] for a in w_axes)
@@ -452,12 +467,12 @@ def reference_kronecker_factors(case: Case, block, data, batch_size: int):
 def reference_per_example_gradients(case: Case, data) -> np.ndarray:
     """``[samples * examples, dim]`` per-example gradients by `jax.grad` of ``<y_b, dy_sb>``."""
     (dy,) = data["outputs_tangent"]
-    params = tuple(jnp.asarray(p, jnp.float32) for p in data["params"])
-    dy = jnp.asarray(dy, jnp.float32)
+    params = tuple(_cast(p, jnp.float32) for p in data["params"])
+    dy = _cast(dy, jnp.float32)
     if case.is_generic:
         return np.asarray(dy, np.float64).reshape(dy.shape[0], -1)
     (x,) = data["inputs"]
-    x = jnp.asarray(x, jnp.float32)
+    x = _cast(x, jnp.float32)
 
     def grad(xb, dyb):
         def inner(p):
@@ -489,9 +504,8 @@ def dense_matpower(matrix: np.ndarray, identity_weight: float, power: float) -> 
 
 def to_matrix_layout(block, vector) -> np.ndarray:
     """``block.params_to_matrix(vector)`` in float64, through `kronecker_positions`."""
-    flat = np.asarray(jnp.asarray(blocks.flatten_params(vector), jnp.float32), np.float64)
     shape = (block.num_groups, block.input_size, block.output_size)
-    return (kronecker_positions(block).T @ flat).reshape(shape)
+    return (kronecker_positions(block).T @ _host(flat(vector))).reshape(shape)
 
 
 def pi_damped_reference(block, state, vector, identity_weight: float, power: float) -> np.ndarray:
@@ -513,7 +527,7 @@ def pi_damped_reference(block, state, vector, identity_weight: float, power: flo
 
 def assert_close_rel(actual: Any, expected: Any, tol: float, what: str = "") -> None:
     """``||actual - expected|| <= tol * max(||expected||, tiny)`` (Frobenius norms)."""
-    actual = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
+    actual = _host(actual)
     expected = np.asarray(expected, np.float64)
     assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
     assert np.all(np.isfinite(actual)), f"{what}: non-finite values"

@@ -267,12 +267,12 @@ def test_powers_equal_the_dense_matrix_powers(case):
     block, state, _ = refreshed(case)
     dense = np.asarray(jitted(block)["dense"](state))
     vector = case.vector(dtype=F64)
-    flat = np.asarray(blocks.flatten_params(vector))
+    flat = np.asarray(C.flat(vector))
     configs = C.EXACT_CONFIGS + C.APPROX_CONFIGS
     run = C.fast_jit(lambda s, v: [block.multiply_matpower(s, v, DAMPING, *c) for c in configs])
     for config, out in zip(configs, run(state, vector), strict=True):
         expected = C.dense_matpower(dense, DAMPING, config[0]) @ flat
-        close(blocks.flatten_params(out), expected, str(config))
+        close(C.flat(out), expected, str(config))
 
 
 def test_block_norms_are_the_dense_matrix_norms():
@@ -343,8 +343,11 @@ def test_embedding_scaling_is_the_rotated_per_example_gradients_squared(ids_shap
     dense = (q * np.asarray(state.cache.scaling.value).ravel()) @ q.T
     close(fns["dense"](state), dense, "dense")
     vector = (jnp.asarray(np.random.default_rng(3).standard_normal((7, 3))),)
-    for power in (1, -1, -0.5):
-        out = block.multiply_matpower(state, vector, DAMPING, power, use_cached=True)
+    powers = (1, -1, -0.5)
+    run = C.fast_jit(  # one compilation instead of one per operation run eagerly
+        lambda s, v: [block.multiply_matpower(s, v, DAMPING, p, use_cached=True) for p in powers]
+    )
+    for power, out in zip(powers, run(state, vector), strict=True):
         expected = C.dense_matpower(dense, DAMPING, power) @ np.asarray(vector[0]).ravel()
         close(np.asarray(out[0]).ravel(), expected, f"power {power}")
 

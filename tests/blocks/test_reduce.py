@@ -19,7 +19,15 @@ import pytest
 import kfacx
 from kfacx import blocks
 
-from ._cases import conv_case, conv_patches_reference, dense_case, kronecker_dense
+from ._cases import (
+    conv_case,
+    conv_patches_reference,
+    dense_case,
+    factor_value,
+    fast_jit,
+    jit_statistics,
+    kronecker_dense,
+)
 
 DENSE_REDUCE = blocks.DenseTwoKroneckerFactoredReduce
 CONV_REDUCE = blocks.ConvTwoKroneckerFactoredReduce
@@ -31,7 +39,9 @@ def _stats(case, seed=0, mask=None):
     if mask is not None:
         data = dict(data, mask=jnp.asarray(mask, jnp.float32))
     batch = case.batch_size if mask is None else float(np.sum(mask))
-    return data, [np.asarray(s, np.float64) for s in block.compute_statistics(data, batch)]
+    # Jitted: one compilation instead of one per operation run eagerly.
+    stats = jit_statistics(block)(data, batch)
+    return data, [np.asarray(s, np.float64) for s in stats]
 
 
 def _reference(x_rows, dy_rows, bias, batch, mask=None):
@@ -132,13 +142,19 @@ def test_products_are_the_dense_matrix_powers(power):
     case = dense_case("seq", (3, 4, 5), 2, True, DENSE_REDUCE)
     block, state, _ = case.fitted(exact_powers_to_cache=(power,) if power != 1 else ())
     weight = 0.3
-    state = block.update_cache(state, weight)
-    a, g = (np.asarray(f.value, np.float64) for f in state.factors)
+
+    @fast_jit  # one compilation instead of one per operation run eagerly
+    def run(state, v):
+        state = block.update_cache(state, weight)
+        cached = power != 1
+        return state, block.multiply_matpower(state, v, weight, power, True, cached)
+
+    v = case.vector()
+    state, got = run(state, v)
+    a, g = (factor_value(f) for f in state.factors)
     dense = kronecker_dense(block, a, g) + weight * np.eye(block.dim)
     vals, vecs = np.linalg.eigh(dense)
     want = vecs @ np.diag(vals**power) @ vecs.T
-    v = case.vector()
-    got = block.multiply_matpower(state, v, weight, power, exact_power=True, use_cached=power != 1)
     flat = np.concatenate([np.ravel(x) for x in v]).astype(np.float64)
     got = np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in got])
     np.testing.assert_allclose(got, want @ flat, rtol=2e-4, atol=1e-5)

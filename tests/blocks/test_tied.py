@@ -174,25 +174,41 @@ def _flat(vector):
     return np.concatenate([np.ravel(np.asarray(v)) for v in vector])
 
 
+# (power, exact_power, use_cached)
+CONFIGS = [
+    (1, False, False),
+    (-1, True, True),
+    (-1, False, False),
+    (-1, True, False),
+    (-0.5, True, False),
+    (-0.5, False, False),
+]
+
+
+@functools.cache
+def _products(name, max_full_size, damping=0.3):
+    """``(block, dense matrix, vector, [product of each of CONFIGS])``: one jitted program
+    (eager products are compared with jitted ones in `test_jit_products_match_eager`)."""
+    block, state = _state(name, max_full_size)
+    vector = _vector(block)
+
+    @jax.jit  # one compilation instead of one per operation run eagerly
+    def run(state, vector):
+        products = [block.multiply_matpower(state, vector, damping, *c) for c in CONFIGS]
+        return block.to_dense_matrix(state), products
+
+    dense, products = run(state, vector)
+    return block, np.asarray(dense), vector, products
+
+
 @pytest.mark.parametrize("max_full_size", [1024, 4, 0], ids=["full", "rows_diagonal", "diagonal"])
 @pytest.mark.parametrize("name", LAYERS)
-@pytest.mark.parametrize(
-    ("power", "exact", "cached"),
-    [
-        (1, False, False),
-        (-1, True, True),
-        (-1, False, False),
-        (-1, True, False),
-        (-0.5, True, False),
-        (-0.5, False, False),
-    ],
-)
+@pytest.mark.parametrize(("power", "exact", "cached"), CONFIGS)
 def test_products_equal_the_dense_matrix_power(name, max_full_size, power, exact, cached):
-    block, state = _state(name, max_full_size)
     damping = 0.3
-    vector = _vector(block)
-    got = block.multiply_matpower(state, vector, damping, power, exact, cached)
-    vals, vecs = np.linalg.eigh(np.asarray(block.to_dense_matrix(state)))
+    _, dense, vector, products = _products(name, max_full_size, damping)
+    got = products[CONFIGS.index((power, exact, cached))]
+    vals, vecs = np.linalg.eigh(dense)
     want = vecs @ ((np.clip(vals, 0, None) + damping) ** power * (vecs.T @ _flat(vector)))
     np.testing.assert_allclose(_flat(got), want, rtol=1e-9, atol=1e-10)
 

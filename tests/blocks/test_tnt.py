@@ -73,19 +73,24 @@ def row_gradients(case: C.Case, data) -> np.ndarray:
     """``G [samples, rows, groups, n, m]``: the gradient of every (sample, row)."""
     block = case.block(F64)
     (x,), params, (dy,) = data["inputs"], data["params"], data["outputs_tangent"]
-    y, vjp = jax.vjp(lambda p: case.tag.compute((x,), p, **case.meta)[0], params)
-    features = _feature_axes(case, y.ndim)
+
+    def layer(p):
+        return case.tag.compute((x,), p, **case.meta)[0]
+
+    y = jax.eval_shape(layer, params)  # the layer runs in `grads` only (one compilation)
+    features = _feature_axes(case, len(y.shape))
     positions = [d for i, d in enumerate(y.shape) if i not in features]
     count = math.prod(positions)
     one_hot = np.eye(count).reshape(count, *positions)
     one_hot = np.expand_dims(one_hot, tuple(1 + a for a in features))
-    cotangents = dy[:, None] * jnp.asarray(one_hot)[None]  # [samples, rows, *y.shape]
 
     @C.fast_jit
-    def grads(cot):
-        return jax.vmap(jax.vmap(lambda c: block.params_to_matrix(vjp(c)[0])))(cot)
+    def grads(dy, one_hot):
+        cotangents = dy[:, None] * one_hot[None]  # [samples, rows, *y.shape]
+        vjp = jax.vjp(layer, params)[1]
+        return jax.vmap(jax.vmap(lambda c: block.params_to_matrix(vjp(c)[0])))(cotangents)
 
-    return np.asarray(grads(cotangents))
+    return np.asarray(grads(dy, jnp.asarray(one_hot)))
 
 
 @functools.cache
@@ -117,7 +122,7 @@ def scaled_factors(left: np.ndarray, right: np.ndarray):
 
 def to_layout(block, vector) -> np.ndarray:
     """``params_to_matrix(vector)`` ``[groups, n, m]`` in float64 (`_cases.kronecker_positions`)."""
-    flat = np.asarray(blocks.flatten_params(vector))
+    flat = np.asarray(C.flat(vector))
     shape = (block.num_groups, block.input_size, block.output_size)
     return (C.kronecker_positions(block).T @ flat).reshape(shape)
 
@@ -267,10 +272,10 @@ def test_exact_powers(case):
     block, _, _, left, right, _ = setup(case)
     vector, outputs = products(case)
     dense = reference_dense(block, left, right)
-    flat = np.asarray(blocks.flatten_params(vector))
+    flat = np.asarray(C.flat(vector))
     for config in C.EXACT_CONFIGS:
         expected = C.dense_matpower(dense, DAMPING, config[0]) @ flat
-        close(blocks.flatten_params(outputs[config]), expected, str(config))
+        close(C.flat(outputs[config]), expected, str(config))
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
@@ -365,7 +370,7 @@ def test_zero_statistics_give_finite_products(case):
     zero = C.jit_update(block)(fresh, data, 0.0, 1.0, case.batch_size)
     assert all(float(f.weight) == 1.0 for f in zero.factors)
     vector = case.vector(dtype=F64)
-    flat = np.asarray(blocks.flatten_params(vector))
+    flat = np.asarray(C.flat(vector))
     for name, state in (("fresh", fresh), ("zero tangents", zero)):
         values, dense, outputs = zero_products(case)(state, vector)
         for value in values:
