@@ -11,6 +11,7 @@ from kfacx._compile import fast_compile_options
 from kfacx._eigen_adam import ScaleByKfacEigenAdamState, scale_by_kfac_eigen_adam
 from kfacx._graft import GraftState, graft
 from kfacx._partition import block_labels
+from kfacx._sharded_checkpoint import shard_estimator_state
 from kfacx._sharded_curvature import gather_estimator_state
 from kfacx.blocks import (
     ConvEKFAC,
@@ -103,6 +104,7 @@ __all__ = [
     "estimator_state",
     "flag_non_finite_stats",
     "gather_estimator_state",
+    "shard_estimator_state",
     "GraftState",
     "kfac_adamw",
     "kfac_soap",
