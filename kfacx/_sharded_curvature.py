@@ -46,7 +46,7 @@ class PackedStats(NamedTuple):
     """Statistics reduced to their owners.
 
     Attributes:
-      rows: per dtype, this device's row ``[1, length]`` (inside the axis), or every
+      rows: per buffer, this device's row ``[1, length]`` (inside the axis), or every
         owner's rows ``[num_devices, length]`` (sharded jit: the statistics are global).
       check: what the non-finite guard checks (NaN iff a statistic is not finite).
     """
@@ -102,7 +102,10 @@ class ShardedCurvature:
         costs = [_distributed.refresh_cost(b) for b in blocks]
         owners = assign_owners_by_bytes(sizes, costs, self.num_devices)
         self.state_shapes = states
-        state_layout = PackLayout(states, owners, self.num_devices)
+        # Buffers of the moving averages (they change every step) apart from those of
+        # the caches (at refreshes): a step rewrites the former and passes on the latter.
+        front = [len(jax.tree.leaves(s.factors)) for s in states]
+        state_layout = PackLayout(states, owners, self.num_devices, front)
         stats = jax.eval_shape(est.zero_curvature_stats).blocks
         stats_layout = PackLayout(stats, owners, self.num_devices)
         self._built = (blocks, state_layout, stats_layout)
@@ -316,7 +319,7 @@ class ShardedCurvature:
 
         def branch(d, rows, stat_rows, ema_old, ema_new):
             states = self._fold_owner(d, rows, stat_rows, ema_old, ema_new)
-            return self.state_layout.pack_owner(d, states)
+            return self.state_layout.pack_owner(d, states, rows, group=0)
 
         out = self._on_owner(branch, rows, stat_rows, ema_old, ema_new)
         return tuple(r[None] for r in out)
@@ -333,7 +336,7 @@ class ShardedCurvature:
         def branch(d, rows, stat_rows, vectors, count, weights, ema_old, ema_new):
             layout = self.state_layout
             states = self._fold_owner(d, rows, stat_rows, ema_old, ema_new)
-            rows = layout.pack_owner(d, states)
+            rows = layout.pack_owner(d, states, rows, group=0)
             mine = sorted(states)
             blocks = [est.blocks[i] for i in mine]
             own_weights = tuple(weights[i] for i in mine)
@@ -344,7 +347,7 @@ class ShardedCurvature:
                 before = tuple(states[i] for i in mine)
                 scaled = _identity_weights.scaled(blocks, before, w, norm)
                 new = _refresh.refresh(blocks, before, scaled, None)
-                return layout.pack_owner(d, dict(zip(mine, new, strict=True)))
+                return layout.pack_owner(d, dict(zip(mine, new, strict=True)), rows, group=1)
 
             if mine:
                 rows = refresh_on_schedule(count, period, refresh, rows, own_weights)

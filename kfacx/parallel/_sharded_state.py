@@ -3,9 +3,11 @@
 A `jax.jit` program cannot place an array on one device of a mesh, so the state is
 *packed*: the blocks get owners (`assign_owners_by_bytes`), and for each dtype the
 state leaves of each owner's blocks are flattened and concatenated into one vector,
-padded to the longest owner's. Stacked, that is one ``[num_devices, length]`` array
-per dtype (a `ShardedEstimatorState`), laid out with ``PartitionSpec(axis)`` so that
-device ``d`` holds row ``d``: its own blocks' state and nothing else. `PackLayout`
+padded to the longest owner's (the moving averages, which change every step, and the
+caches, which change at refreshes, in vectors of their own). Stacked, that is one
+``[num_devices, length]`` array per buffer (a `ShardedEstimatorState`), laid out
+with ``PartitionSpec(axis)`` so that device ``d`` holds row ``d``: its own blocks'
+state and nothing else. `PackLayout`
 is that static layout (offsets and shapes), for any list of pytrees with an owner
 each; it packs and unpacks exactly (concatenation and slices, no arithmetic).
 
@@ -30,8 +32,9 @@ class ShardedEstimatorState(NamedTuple):
     """The curvature blocks' state packed per owner device (``shard_curvature_state``).
 
     Attributes:
-      buffers: one ``[num_devices, length]`` array per dtype; row ``d`` holds the
-        flattened state of the blocks device ``d`` owns (zero-padded). On a mesh it
+      buffers: ``[num_devices, length]`` arrays (per dtype: the moving averages', then
+        the caches'); row ``d`` holds the flattened state of the blocks device ``d``
+        owns (zero-padded). On a mesh it
         is sharded over the data axis: each device stores its own row only. Read the
         ordinary per-block state back with `kfacx.gather_estimator_state`.
     """
@@ -109,24 +112,43 @@ class PackLayout:
         dtypes are read).
       owners: the owner device of each item.
       num_devices: the number of devices (rows).
+      front: per item, how many of its leading leaves are in *group 0* (the others
+        are in group 1); each group has buffers of its own, so that `pack_owner` can
+        rewrite one group and pass the other's rows on (e.g. the moving averages,
+        which change every step, and the caches, which change at refreshes). None:
+        one group.
     """
 
-    def __init__(self, items: Sequence[Any], owners: Sequence[int], num_devices: int):
+    def __init__(
+        self,
+        items: Sequence[Any],
+        owners: Sequence[int],
+        num_devices: int,
+        front: Sequence[int] | None = None,
+    ):
         if len(items) != len(owners):
             raise ValueError(f"{len(items)} items but {len(owners)} owners.")
         self.num_devices = num_devices
         self.owners = tuple(int(o) for o in owners)
         self.treedefs = []
-        dtypes: list[Any] = []
+        keys: list[tuple[int, Any]] = []  # (group, dtype) of each buffer
         leaves_of = []
-        for item in items:
+        front = [0] * len(items) if front is None else list(front)
+        for i, item in enumerate(items):
             leaves, treedef = jax.tree.flatten(item)
             self.treedefs.append(treedef)
-            leaves_of.append([(tuple(np.shape(x)), jnp.dtype(x.dtype)) for x in leaves])
-            for _, dtype in leaves_of[-1]:
-                if dtype not in dtypes:
-                    dtypes.append(dtype)
-        self.dtypes = tuple(dtypes)
+            leaves_of.append(
+                [
+                    (tuple(np.shape(x)), (int(j >= front[i]), jnp.dtype(x.dtype)))
+                    for j, x in enumerate(leaves)
+                ]
+            )
+            keys.extend(key for _, key in leaves_of[-1] if key not in keys)
+        keys.sort(key=lambda k: k[0])  # stable: group 0's buffers first
+        self.keys = tuple(keys)
+        #: The dtype of each buffer.
+        self.dtypes = tuple(dtype for _, dtype in keys)
+        dtypes = keys
         # entries[d][k]: the leaves owner d keeps in its vector of dtype k, in order.
         self.entries: list[list[list[_Entry]]] = [[[] for _ in dtypes] for _ in range(num_devices)]
         used = np.zeros((num_devices, len(dtypes)), np.int64)
@@ -154,7 +176,7 @@ class PackLayout:
         return int(sum(n * d.itemsize for n, d in zip(self.lengths, self.dtypes, strict=True)))
 
     def shapes(self) -> tuple[jax.ShapeDtypeStruct, ...]:
-        """The global buffers' shapes: ``[num_devices, length]`` per dtype."""
+        """The global buffers' shapes: ``[num_devices, length]`` each."""
         return tuple(
             jax.ShapeDtypeStruct((self.num_devices, n), d)
             for n, d in zip(self.lengths, self.dtypes, strict=True)
@@ -162,11 +184,22 @@ class PackLayout:
 
     # ---------------------------------------------------------------- one owner
 
-    def pack_owner(self, device: int, items: dict[int, Any]) -> tuple[jax.Array, ...]:
-        """Owner ``device``'s row of every buffer, from its items (``index -> pytree``)."""
+    def pack_owner(
+        self,
+        device: int,
+        items: dict[int, Any],
+        base: Sequence[jax.Array] | None = None,
+        group: int | None = None,
+    ) -> tuple[jax.Array, ...]:
+        """Owner ``device``'s row of every buffer, from its items (``index -> pytree``);
+        with ``group``, of that group's buffers only, the others' rows taken from
+        ``base`` as they are."""
         leaves = {i: jax.tree.leaves(items[i]) for i in self.owned[device]}
         rows = []
         for k, dtype in enumerate(self.dtypes):
+            if group is not None and self.keys[k][0] != group:
+                rows.append(base[k])
+                continue
             parts = [
                 jnp.ravel(leaves[e.item][e.leaf]).astype(dtype) for e in self.entries[device][k]
             ]
@@ -188,7 +221,7 @@ class PackLayout:
     # ---------------------------------------------------------------- all owners
 
     def pack(self, items: Sequence[Any]) -> tuple[jax.Array, ...]:
-        """All owners' rows: one ``[num_devices, length]`` array per dtype."""
+        """All owners' rows: one ``[num_devices, length]`` array per buffer."""
         by_index = dict(enumerate(items))
         rows = [self.pack_owner(d, by_index) for d in range(self.num_devices)]
         return tuple(jnp.stack([r[k] for r in rows]) for k in range(len(self.dtypes)))
