@@ -1,5 +1,7 @@
 """Checkpoint and resume with orbax: k steps + save + restore + n steps == k + n steps."""
 
+import functools
+
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
@@ -31,7 +33,7 @@ def test_resume_from_an_orbax_checkpoint_is_bit_identical(tmp_path):
     state = opt.init(params, jax.random.key(0), batch)
     want_params, want_state = _steps(opt, params, state, batch, 0, 5)
 
-    opt = _optimizer()
+    # The same optimizer (its compiled step) runs the three steps before the checkpoint.
     state = opt.init(params, jax.random.key(0), batch)
     p, s = _steps(opt, params, state, batch, 0, 3)
     checkpointer = ocp.StandardCheckpointer()
@@ -65,6 +67,15 @@ def _layout_optimizer(**kwargs):
     return kfacx.Optimizer(jax.value_and_grad(mlp_loss), **LAYOUT_KWARGS, **kwargs)
 
 
+@functools.cache
+def _shared_optimizer(mesh_devices=None, use_shard_map=False):
+    """One optimizer per layout, shared by the tests (each compiles its steps once):
+    single-device (``mesh_devices`` None) or on a mesh of that many devices."""
+    if mesh_devices is None:
+        return _layout_optimizer()
+    return _layout_optimizer(mesh=_mesh(mesh_devices), use_shard_map=use_shard_map)
+
+
 def _mesh(n):
     return jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
 
@@ -94,8 +105,11 @@ def _continue(opt, params, state, batch, start, stop, devices=None):
     return params, state
 
 
-def _reference(params, batch):
-    opt = _layout_optimizer()
+@functools.cache
+def _reference():
+    """Five single-device steps from ``make_params()`` on ``make_batch(n=32)``."""
+    params, batch = make_params(), make_batch(n=32)
+    opt = _shared_optimizer()
     return _continue(opt, params, opt.init(params, jax.random.key(0), batch), batch, 0, 5)
 
 
@@ -104,14 +118,15 @@ def _assert_close(got, want):
 
 
 def _single_template(params, batch):
-    return {"params": params, "state": _layout_optimizer().init(params, jax.random.key(0), batch)}
+    state = _shared_optimizer().init(params, jax.random.key(0), batch)
+    return {"params": params, "state": state}
 
 
 def test_pmap_checkpoint_restores_onto_other_device_counts(tmp_path):
     """Save one copy of a 4-device pmapped state; resume on 1 device, on 2 pmapped
     devices, and on a 2-device mesh."""
     params, batch = make_params(), make_batch(n=32)
-    want = _reference(params, batch)
+    want = _reference()
     opt = _layout_optimizer(multi_device=True)
     rng = kfacx.parallel.replicate_all_local_devices(jax.random.key(0))
     state = opt.init(_replicate(params, 4), rng, _shard(batch, 4))
@@ -122,7 +137,7 @@ def test_pmap_checkpoint_restores_onto_other_device_counts(tmp_path):
 
     # One device.
     restored = checkpointer.restore(tmp_path / "ckpt", _single_template(params, batch))
-    single = _layout_optimizer()
+    single = _shared_optimizer()
     _assert_close(_continue(single, restored["params"], restored["state"], batch, 3, 5), want)
 
     # Two pmapped devices: replicate the single copy.
@@ -144,7 +159,7 @@ def test_pmap_checkpoint_restores_onto_other_device_counts(tmp_path):
     _assert_close(got, want)
 
     # A two-device mesh: restore straight into its (replicated) layout.
-    meshed = _layout_optimizer(mesh=_mesh(2))
+    meshed = _shared_optimizer(2)
     template = {"params": params, "state": meshed.init(params, jax.random.key(0), batch)}
     template["params"] = jax.device_put(params, template["state"].damping.sharding)
     restored = checkpointer.restore(tmp_path / "ckpt", template)
@@ -154,7 +169,7 @@ def test_pmap_checkpoint_restores_onto_other_device_counts(tmp_path):
 
 def test_mesh_checkpoint_restores_onto_a_smaller_mesh_and_one_device(tmp_path):
     params, batch = make_params(), make_batch(n=32)
-    want = _reference(params, batch)
+    want = _reference()
     opt = _layout_optimizer(mesh=_mesh(4))
     p, s = _continue(opt, params, opt.init(params, jax.random.key(0), batch), batch, 0, 3)
     checkpointer = ocp.StandardCheckpointer()
@@ -162,7 +177,7 @@ def test_mesh_checkpoint_restores_onto_a_smaller_mesh_and_one_device(tmp_path):
     checkpointer.wait_until_finished()
 
     for use_shard_map in (False, True):
-        smaller = _layout_optimizer(mesh=_mesh(2), use_shard_map=use_shard_map)
+        smaller = _shared_optimizer(2, use_shard_map)
         state = smaller.init(params, jax.random.key(0), batch)
         template = {"params": jax.device_put(params, state.damping.sharding), "state": state}
         restored = checkpointer.restore(tmp_path / "ckpt", template)
@@ -171,5 +186,5 @@ def test_mesh_checkpoint_restores_onto_a_smaller_mesh_and_one_device(tmp_path):
         _assert_close(_continue(smaller, restored["params"], restored["state"], batch, 3, 5), want)
 
     restored = checkpointer.restore(tmp_path / "ckpt", _single_template(params, batch))
-    single = _layout_optimizer()
+    single = _shared_optimizer()
     _assert_close(_continue(single, restored["params"], restored["state"], batch, 3, 5), want)

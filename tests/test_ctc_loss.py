@@ -3,6 +3,7 @@ per-frame categorical model as curvature, checked against dense references."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import jax
@@ -67,9 +68,16 @@ def _full_estimator(weight=1.0, **kwargs):
     )
 
 
-def _dense_estimate(est, params, batch, mode):
-    """The estimator's dense matrix after one update in ``mode`` (one jitted program)."""
+@functools.cache
+def _estimator(weight=1.0, num_samples=None):
+    """`_full_estimator`, one per configuration, shared by the tests (so that each
+    program of `_dense_estimate` is traced and compiled once)."""
+    kwargs = {} if num_samples is None else dict(num_samples=num_samples)
+    return _full_estimator(weight, **kwargs)
 
+
+@functools.cache
+def _dense_program(est, mode):
     @jax.jit
     def run(params, batch):
         key = jax.random.key(3)
@@ -79,7 +87,13 @@ def _dense_estimate(est, params, batch, mode):
         )
         return est.to_dense_matrix(state)
 
-    return np.asarray(run(params, batch), np.float64)
+    return run
+
+
+def _dense_estimate(est, params, batch, mode):
+    """The estimator's dense matrix after one update in ``mode`` (one jitted program per
+    estimator and mode)."""
+    return np.asarray(_dense_program(est, mode)(params, batch), np.float64)
 
 
 def _frame_fisher_reference(params, batch, weight=1.0):
@@ -148,7 +162,7 @@ def test_empirical_modes_agree_with_the_functions_own_gradients(x64):
     ``fisher_empirical_direct`` (the function's per-example gradients) agree: the
     registered loss is normalised as the function's mean over the batch."""
     params, batch = _problem()
-    est = _full_estimator()
+    est = _estimator()
     empirical = _dense_estimate(est, params, batch, "fisher_empirical")
     direct = _dense_estimate(est, params, batch, "fisher_empirical_direct")
     np.testing.assert_allclose(empirical, direct, rtol=1e-9, atol=1e-14)
@@ -161,7 +175,7 @@ def test_empirical_modes_agree_with_the_functions_own_gradients(x64):
 def test_exact_curvature_is_the_dense_fisher_of_the_per_frame_model(x64, mode):
     params, batch = _problem()
     weight = 0.5
-    got = _dense_estimate(_full_estimator(weight), params, batch, mode)
+    got = _dense_estimate(_estimator(weight), params, batch, mode)
     want = _layer_blocks(_frame_fisher_reference(params, batch, weight), params)
     np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-13)
 
@@ -172,7 +186,7 @@ def test_padded_frames_do_not_contribute(x64):
     x = np.array(batch[0])
     x[1, 2:] = 100.0 * np.random.default_rng(5).standard_normal((T - 2, D))
     garbage = (jnp.asarray(x),) + batch[1:]
-    est = _full_estimator()
+    est = _estimator()
     clean = _dense_estimate(est, params, batch, "ggn_exact")
     np.testing.assert_allclose(_dense_estimate(est, params, garbage, "ggn_exact"), clean)
     unpadded = (batch[0], jnp.zeros_like(batch[1])) + batch[2:]
@@ -189,9 +203,9 @@ def test_sampled_fisher_is_unbiased_for_the_per_frame_fisher(x64):
     """``fisher_gradients`` averages sampled frame labels' cotangents: with many samples
     it matches the exact per-frame Fisher (Monte-Carlo error about 1 / sqrt(samples))."""
     params, batch = _problem()
-    est = _full_estimator(num_samples=20_000)
+    est = _estimator(num_samples=20_000)
     sampled = _dense_estimate(est, params, batch, "fisher_gradients")
-    exact = _dense_estimate(est, params, batch, "ggn_exact")
+    exact = _dense_estimate(_estimator(), params, batch, "ggn_exact")
     error = np.linalg.norm(sampled - exact) / np.linalg.norm(exact)
     assert error < 0.02, error
 

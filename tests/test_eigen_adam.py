@@ -186,7 +186,7 @@ def run():
             diag=scale_by_kfac_eigen_adam(diag, args, **hyper),
             adam=optax.scale_by_adam(b1=0.0, b2=B2, eps=EPS),
         )
-        states = {name: tx.init(params) for name, tx in txs.items()}
+        states = jax.jit(lambda p: {n: t.init(p) for n, t in txs.items()})(params)  # not eager
 
         @functools.partial(jax.jit, compiler_options=COMPILER)
         def step(params, states, key, batch):
@@ -418,8 +418,8 @@ def _full_bases(block, state):
 
 
 def _tied_bases(block, state):
-    rows, cols = (np.asarray(f) for f in block.fitted_factors(state))
-    b1, b2 = (np.asarray(f) for f in block._bias_factors(state))
+    rows, cols = (np.asarray(f) for f in jax.jit(block.fitted_factors)(state))
+    b1, b2 = (np.asarray(f) for f in jax.jit(block._bias_factors)(state))
     return [
         (_eigenvectors(rows), _eigenvectors(cols)),
         (_eigenvectors(b1), None),
@@ -456,14 +456,14 @@ def test_block_rotation_and_basis_change_by_hand(name):
     block = make()
     old, new = _refreshed(block, 1), _refreshed(block, 2)
     v = _vector(block)
-    coordinates = block.to_eigenbasis(new, v)
+    coordinates = jax.jit(block.to_eigenbasis)(new, v)
     parts, bases = _as_parts(block, coordinates), bases_of(block, new)
     for got, x, basis in zip(parts, _as_parts(block, v), bases, strict=True):
         close(np.square(got), np.square(_rotate(np.asarray(x), basis)), f"{name} coordinates")
-    close(block.from_eigenbasis(new, coordinates), v, f"{name} round trip", 1e-12)
+    close(jax.jit(block.from_eigenbasis)(new, coordinates), v, f"{name} round trip", 1e-12)
     rng = np.random.default_rng(3)
     diagonal = jax.tree_util.tree_map(lambda c: rng.random(c.shape), coordinates)
-    changed = _as_parts(block, block.eigenbasis_change(old, new, diagonal))
+    changed = _as_parts(block, jax.jit(block.eigenbasis_change)(old, new, diagonal))
     old_bases = bases_of(block, old)
     for got, d, o, n in zip(changed, _as_parts(block, diagonal), old_bases, bases, strict=True):
         close(got, _change(np.asarray(d), o, n), f"{name} basis change")
@@ -486,12 +486,12 @@ def test_stacked_block_rotates_each_slice_by_its_own_basis():
     block = blocks.StackedBlock(layer, kfacx.DenseTwoKroneckerFactored)
     state = _refreshed(block, 4)
     v = _vector(block)
-    coordinates = np.asarray(block.to_eigenbasis(state, v))
+    coordinates = np.asarray(jax.jit(block.to_eigenbasis)(state, v))
     for l in range(2):
         a, g = (_eigenvectors(np.asarray(f.value)[l, 0]) for f in state.factors)
         matrix = np.concatenate([v[0][l], v[1][l][None]])
         close(np.square(coordinates[l, 0]), np.square(_rotate(matrix, (a, g))), f"slice {l}")
-    close(block.from_eigenbasis(state, coordinates), v, "round trip", 1e-12)
+    close(jax.jit(block.from_eigenbasis)(state, coordinates), v, "round trip", 1e-12)
 
 
 def test_a_cache_without_eigenbasis_is_an_error():

@@ -115,7 +115,9 @@ def _run(tx, batches=None, opt_state=None, params=None):
     opt_state = tx.init(params) if opt_state is None else opt_state
     trajectory, losses = [], []
     for batch in kit.batches if batches is None else batches:
-        params, opt_state, loss = _step(tx, params, opt_state, batch)
+        # nan_stats passed (not left to its default): the program of the NaN-statistics
+        # call in the apply_if_finite test, compiled once
+        params, opt_state, loss = _step(tx, params, opt_state, batch, False)
         trajectory.append(params)
         losses.append(float(loss))
     return trajectory, losses, opt_state
