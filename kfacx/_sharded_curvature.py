@@ -236,25 +236,6 @@ class ShardedCurvature:
             precon, rows = self._mapped(run, args, num_outputs=(1, 1))
         return precon, ShardedEstimatorState(tuple(rows))
 
-    def optimizer_precondition(
-        self, cfg, state, grads, stats, identity_weight, update_curvature, bound
-    ) -> tuple[Any, ShardedEstimatorState]:
-        """`precondition` in `kfacx.Optimizer`'s step (``cfg``: its
-        `kfacx.CurvatureConfig`; ``state``: its `kfacx.OptimizerState`)."""
-        return self.precondition(
-            state.estimator_state,
-            state.step_counter,
-            grads,
-            stats,
-            identity_weight,
-            curvature_ema=cfg.curvature_ema,
-            inverse_update_period=cfg.inverse_update_period,
-            use_exact_inverses=cfg.use_exact_inverses,
-            update_curvature=True if cfg.curvature_update_period == 1 else update_curvature,
-            power=cfg.precon_power,
-            bound=bound,
-        )
-
     def fold(
         self,
         state: ShardedEstimatorState,

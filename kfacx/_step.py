@@ -325,24 +325,19 @@ class KfacStep:
         """The curvature update and ``(C + identity_weight I)^-1 grads``: the core shared
         with `kfacx.scale_by_kfac`, its refresh placed by `Placement.refresh`."""
         cfg, est = self.curvature, self.passes.estimator
-        if self.sharded is not None:
-            bound = self.placement.axis_name is not None
-            args = (state, grads, stats, identity_weight, update_curvature, bound)
-            return self.sharded.optimizer_precondition(cfg, *args)
-        return precondition(
-            est,
-            state.estimator_state,
-            state.step_counter,
-            grads,
-            stats,
-            identity_weight,
+        options = dict(
             curvature_ema=cfg.curvature_ema,
             inverse_update_period=cfg.inverse_update_period,
             use_exact_inverses=cfg.use_exact_inverses,
             update_curvature=True if cfg.curvature_update_period == 1 else update_curvature,
-            refresh=lambda e, w: self.placement.refresh(est.update_cache, e, w),
             power=cfg.precon_power,
         )
+        args = (state.step_counter, grads, stats, identity_weight)
+        if self.sharded is not None:
+            bound = self.placement.axis_name is not None
+            return self.sharded.precondition(state.estimator_state, *args, **options, bound=bound)
+        refresh = lambda e, w: self.placement.refresh(est.update_cache, e, w)  # noqa: E731
+        return precondition(est, state.estimator_state, *args, **options, refresh=refresh)
 
     def _coefficients(
         self, grads, precon, velocity, identity_weight, gram_of, learning_rate, momentum, step, mask
