@@ -86,7 +86,6 @@ def refresh_times(opt, state, repeats: int) -> dict:
             jax.jit(lambda s: est.update_cache(s, DAMPING)), est_state, repeats
         )
     }
-    costs = [_distributed.refresh_cost(b) for b in est.blocks]
     shares = {}
     for n in (2, 4):
         devices = jax.devices()[:n]
@@ -114,14 +113,11 @@ def refresh_times(opt, state, repeats: int) -> dict:
             )
         )
         out[f"{n} devices (shard_map)"] = _median_time(mapped, on_mesh, repeats)
-        owners = est.block_owners(n)
-        loads = _distributed.device_loads(costs, owners, n)
+        loads = _piece_loads(est.blocks, est._cache_spec, n)
         # Each device's share, timed alone on one device: the wall time of a refresh on
         # devices that really run in parallel is the largest share (plus the all-reduce).
         share_s = [
-            _median_time(
-                jax.jit(functools.partial(_owned_part, est, owners, d)), est_state, repeats
-            )
+            _median_time(jax.jit(functools.partial(_owned_part, est, n, d)), est_state, repeats)
             for d in range(n)
         ]
         psum = jax.pmap(
@@ -130,22 +126,32 @@ def refresh_times(opt, state, repeats: int) -> dict:
             devices=devices,
         )
         shares[n] = dict(
-            owners=list(owners),
+            owners=list(est.block_owners(n)),
             cost_loads=loads,
-            ideal_speedup=sum(costs) / max(loads),
+            ideal_speedup=sum(loads) / max(loads),
             share_seconds=share_s,
             all_reduce_seconds=_median_time(psum, replicated, repeats),
         )
-    return dict(seconds=out, costs=costs, shares=shares)
+    return dict(seconds=out, shares=shares)
 
 
-def _owned_part(est, owners, device, est_state):
-    """The caches of the blocks ``device`` owns, refreshed serially."""
-    return [
-        block.update_cache(state, DAMPING).cache
-        for block, state, owner in zip(est.blocks, est_state.blocks, owners, strict=True)
-        if owner == device
-    ]
+def _owned_part(est, num_devices, device, est_state):
+    """The pieces of the refresh distributed over ``num_devices`` that ``device`` runs
+    (`kfacx._refresh.pieces`), serially."""
+    plan = _refresh.plan(est.blocks, est_state.blocks, est._block_weights(est_state, DAMPING))
+    cut = _refresh.pieces(plan, num_devices)
+    owners = _distributed.assign_owners([p.cost for p in cut], num_devices)
+    return [_refresh._piece_run(plan, p)() for p, o in zip(cut, owners, strict=True) if o == device]
+
+
+def _piece_loads(blocks, cache_spec, num_devices) -> list[float]:
+    """Each device's cost (``K n^3`` per bucket of ``K`` padded ``n x n`` factors) in the
+    refresh of ``blocks`` distributed over ``num_devices`` (``distributed_inverses``)."""
+    cut = _refresh.pieces(_refresh.abstract_plan(blocks, cache_spec), num_devices)
+    costs = [p.cost for p in cut]
+    return _distributed.device_loads(
+        costs, _distributed.assign_owners(costs, num_devices), num_devices
+    )
 
 
 def _tree_bytes(tree) -> int:
@@ -356,36 +362,26 @@ def _bottleneck_params():
     ]
 
 
-def _unit_costs(blocks, cache_spec) -> list[float]:
-    """The costs of the units of one refresh of ``blocks`` (`kfacx._refresh.plan`)."""
-    found = []
-
-    def units(_):
-        states = [b.init(jax.random.key(0), *cache_spec) for b in blocks]
-        found.append(_refresh.plan(blocks, states, 1.0).costs)
-        return 0
-
-    jax.eval_shape(units, 0)
-    return list(found[0])
-
-
 def refresh_loads(batch_size: int, counts: list[int]) -> dict:
     """Per device count and layout, the refresh work of the busiest device (cost model:
     ``K n^3`` per bucket of ``K`` padded ``n x n`` factors), as a fraction of the whole
-    refresh: replicated, the units (buckets) go to cost-balanced owners
+    refresh: replicated, the pieces of the buckets go to cost-balanced owners
     (``distributed_inverses``); sharded, each owner refreshes its own blocks."""
     est = kfacx.BlockDiagonalCurvature(_bottleneck_loss)
     params = _bottleneck_params()
     est.set_up((params, jnp.zeros((batch_size, WIDTH))))
     spec = est._cache_spec
-    costs = _unit_costs(est.blocks, spec)
-    total = sum(costs)
+    total = sum(_refresh.abstract_plan(est.blocks, spec).costs)
     out = {}
     for n in counts:
-        loads = _distributed.device_loads(costs, _distributed.assign_owners(costs, n), n)
+        loads = _piece_loads(est.blocks, spec, n)
         owners = _sharded_curvature.plan_for(est, n).owners
         sharded = [
-            sum(_unit_costs([b for b, o in zip(est.blocks, owners, strict=True) if o == d], spec))
+            sum(
+                _piece_loads(
+                    [b for b, o in zip(est.blocks, owners, strict=True) if o == d], spec, 1
+                )
+            )
             for d in range(n)
         ]
         out[n] = dict(replicated=max(loads) / total, sharded=max(sharded) / total)

@@ -15,14 +15,19 @@ deep autoencoder's 16 factors make 5 units instead of 16 separate inverses, for
 the same results (to rounding): the refresh compiles in about 3.2 s instead of
 10.2 s.
 
-Serially, every unit runs. With a device axis, each unit runs on one owner
-device, chosen by cost (`kfacx.parallel._distributed.assign_owners`), and a ``psum``
-shares the results, so the distributed refresh computes exactly what the
-serial one does.
+Serially, every unit runs. With a device axis, a bucket that costs more than an
+equal share of the whole refresh is cut into pieces of consecutive matrices (a
+model of uniform widths has one bucket holding almost all the work), each piece
+and each other unit runs on one owner device, chosen by cost
+(`kfacx.parallel._distributed.assign_owners`), and a ``psum`` shares the results.
+Each matrix is inverted by the same program whichever piece it is in, so the
+distributed refresh computes exactly what the serial one does.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -44,17 +49,20 @@ class RefreshPlan(NamedTuple):
     """The units of one refresh.
 
     Attributes:
-      runs: per unit, a function computing its result (for a bucket, its padded
-        Cholesky inverses and where they succeeded; for a block, its new cache).
+      runs: per unit, a function computing its result: for a bucket, ``run(lo, hi)``
+        gives the padded Cholesky inverses of its matrices ``lo:hi`` and where they
+        succeeded (``run()``: all of them); for a block, ``run()`` its new cache.
       costs: per unit, its cost (``K n^3`` for a bucket; `kfacx.parallel._distributed.refresh_cost`
         for a block).
-      unit_blocks: per unit, the blocks it serves.
+      counts: per unit, the ``K`` matrices of a bucket, or 0 for a block (not cut).
+      unit_blocks: per unit, the block of each matrix of a bucket, or the block.
       assemble: ``unit results -> new block states`` (it also runs the shared
         fallback for the inverses that failed).
     """
 
     runs: tuple[Callable[[], Any], ...]
     costs: tuple[float, ...]
+    counts: tuple[int, ...]
     unit_blocks: tuple[tuple[int, ...], ...]
     assemble: Callable[[Sequence[Any]], tuple[BlockState, ...]]
 
@@ -100,15 +108,18 @@ def plan(
         like = [matrices[k] for k in chosen]
         padded.append(_bucket_stack(stack, floors[start : start + stack.shape[0]], like))
         start += stack.shape[0]
-    runs, costs, unit_blocks = [], [], []
+    runs, costs, counts, unit_blocks = [], [], [], []
     for build, (chosen, size) in zip(padded, bucket_members, strict=True):
-        runs.append(lambda build=build: linalg.cholesky_inverse_padded(build()))
-        costs.append(sum(math.prod(matrices[k].shape[:-2]) for k in chosen) * float(size) ** 3)
-        unit_blocks.append(tuple(sorted({owner_block[k] for k in chosen})))
+        runs.append(functools.partial(_invert_rows, build))
+        entries = [owner_block[k] for k in chosen for _ in range(math.prod(matrices[k].shape[:-2]))]
+        costs.append(len(entries) * float(size) ** 3)
+        counts.append(len(entries))
+        unit_blocks.append(tuple(entries))
     own = [i for i, p in enumerate(inverse_plans) if p is None]
     for i in own:
         runs.append(lambda b=blocks[i], s=states[i], w=weights[i]: b.update_cache(s, w).cache)
         costs.append(_distributed.refresh_cost(blocks[i]))
+        counts.append(0)
         unit_blocks.append((i,))
 
     def assemble(results: Sequence[Any]) -> tuple[BlockState, ...]:
@@ -129,7 +140,15 @@ def plan(
             new_states[i] = states[i]._replace(cache=cache)
         return tuple(_finish(inverse_plans, inverses, new_states))
 
-    return RefreshPlan(tuple(runs), tuple(costs), tuple(unit_blocks), assemble)
+    return RefreshPlan(tuple(runs), tuple(costs), tuple(counts), tuple(unit_blocks), assemble)
+
+
+def _invert_rows(build, lo=None, hi=None):
+    """The Cholesky inverses of the stack ``build()``'s matrices ``lo:hi`` (all by default)."""
+    stack = build()
+    if lo is not None:
+        stack = linalg.PaddedStack(*(x[lo:hi] for x in stack))
+    return linalg.cholesky_inverse_padded(stack)
 
 
 def _entries(matrices: Sequence[jax.Array]) -> list[np.ndarray]:
@@ -238,30 +257,79 @@ def refresh(
     if num_devices == 1:
         results = [run() for run in refresh_plan.runs]
     else:
-        owners = _distributed.assign_owners(refresh_plan.costs, num_devices)
-        results = _distributed.owned_refresh(refresh_plan.runs, owners, axis_name)
+        cut = pieces(refresh_plan, num_devices)
+        owners = _distributed.assign_owners([p.cost for p in cut], num_devices)
+        runs = [_piece_run(refresh_plan, p) for p in cut]
+        done = _distributed.owned_refresh(runs, owners, axis_name)
+        results = [
+            done[i] if len(group) == 1 else jax.tree.map(lambda *r: jnp.concatenate(r), *group)
+            for i, group in _by_unit(cut, done)
+        ]
     return refresh_plan.assemble(results)
 
 
+class Piece(NamedTuple):
+    """Matrices ``lo:hi`` of a bucket unit (``lo = hi = None``: a whole unit)."""
+
+    unit: int
+    lo: int | None
+    hi: int | None
+    cost: float
+
+
+def pieces(refresh_plan: RefreshPlan, num_devices: int) -> list[Piece]:
+    """The pieces of a refresh distributed over ``num_devices``, in unit order: a
+    bucket costing more than half a device's share (``1 / (2 num_devices)`` of the
+    whole refresh) is cut into pieces of consecutive matrices of at most about half a
+    share each (never more pieces than it has matrices), small enough for the owners'
+    loads to even out; every other unit is one piece."""
+    half_share = sum(refresh_plan.costs) / (2 * num_devices)
+    out = []
+    for unit, (cost, count) in enumerate(zip(refresh_plan.costs, refresh_plan.counts, strict=True)):
+        k = (
+            min(count, math.ceil(cost / half_share * (1 - 1e-9)))
+            if num_devices > 1 and half_share > 0
+            else 1
+        )
+        if k <= 1:
+            out.append(Piece(unit, None, None, cost))
+            continue
+        bounds = [round(j * count / k) for j in range(k + 1)]
+        out += [
+            Piece(unit, lo, hi, cost * (hi - lo) / count) for lo, hi in itertools.pairwise(bounds)
+        ]
+    return out
+
+
+def _piece_run(refresh_plan: RefreshPlan, piece: Piece) -> Callable[[], Any]:
+    run = refresh_plan.runs[piece.unit]
+    return run if piece.lo is None else (lambda: run(piece.lo, piece.hi))
+
+
+def _by_unit(cut: Sequence[Piece], results: Sequence[Any]) -> list[tuple[int, list[Any]]]:
+    """``(index of the unit's first piece, the results of its pieces)`` per unit."""
+    grouped: dict[int, tuple[int, list[Any]]] = {}
+    for i, (piece, result) in enumerate(zip(cut, results, strict=True)):
+        grouped.setdefault(piece.unit, (i, []))[1].append(result)
+    return [grouped[u] for u in sorted(grouped)]
+
+
 def block_owners(refresh_plan: RefreshPlan, num_blocks: int, num_devices: int) -> tuple[int, ...]:
-    """For each block, the device that runs its most expensive unit."""
-    owners = _distributed.assign_owners(refresh_plan.costs, num_devices)
+    """For each block, the device that runs its most expensive piece (its first, on a tie)."""
+    cut = pieces(refresh_plan, num_devices)
+    owners = _distributed.assign_owners([p.cost for p in cut], num_devices)
     best: list[tuple[float, int]] = [(-1.0, 0)] * num_blocks
-    for cost, owner, members in zip(
-        refresh_plan.costs, owners, refresh_plan.unit_blocks, strict=True
-    ):
-        for i in members:
-            if cost > best[i][0]:
-                best[i] = (cost, owner)
+    for piece, owner in zip(cut, owners, strict=True):
+        for i in refresh_plan.unit_blocks[piece.unit][piece.lo : piece.hi]:
+            if piece.cost > best[i][0]:
+                best[i] = (piece.cost, owner)
     return tuple(owner for _, owner in best)
 
 
-def planned_block_owners(
-    blocks: Sequence[CurvatureBlock], cache_spec: tuple, num_devices: int
-) -> tuple[int, ...]:
-    """`block_owners` of the refresh of ``blocks`` with caches ``cache_spec`` (the
-    arguments of `kfacx.blocks.CurvatureBlock.init` after its key), planned on
-    abstract states (nothing is computed)."""
+def abstract_plan(blocks: Sequence[CurvatureBlock], cache_spec: tuple) -> RefreshPlan:
+    """The `plan` of the refresh of ``blocks`` with caches ``cache_spec`` (the arguments
+    of `kfacx.blocks.CurvatureBlock.init` after its key), on abstract states (nothing is
+    computed; its runs are not for calling)."""
 
     def units(_):
         states = [b.init(jax.random.key(0), *cache_spec) for b in blocks]
@@ -270,4 +338,11 @@ def planned_block_owners(
 
     found: list[RefreshPlan] = []
     jax.eval_shape(units, 0)
-    return block_owners(found[0], len(blocks), num_devices)
+    return found[0]
+
+
+def planned_block_owners(
+    blocks: Sequence[CurvatureBlock], cache_spec: tuple, num_devices: int
+) -> tuple[int, ...]:
+    """`block_owners` of the refresh of ``blocks`` with caches ``cache_spec``."""
+    return block_owners(abstract_plan(blocks, cache_spec), len(blocks), num_devices)

@@ -94,8 +94,19 @@ def test_refresh_cost_and_block_owners_follow_the_factor_sizes(monkeypatch):
     costs = [_distributed.refresh_cost(b) for b in est.blocks]
     # Dense blocks: (in + 1)^3 + out^3 (bias folded into the input factor).
     assert costs == [41.0**3 + 30.0**3, 31.0**3 + 6.0**3, 7.0**3 + 3.0**3]
-    # Bucketed, all six factors (at most 41 x 41) share one 64 x 64 bucket: one unit.
-    assert est.block_owners(2) == (0, 0, 0)
+    # Bucketed, all six factors (at most 41 x 41) share one 64 x 64 bucket, largest first
+    # (blocks 0 1 0 2 1 2). It is cut into pieces of at most half a device's share: on
+    # two devices 2, 1, 1, 2 factors (owners 0, 0, 1, 1), on four one each (owners
+    # 0, 1, 2, 3, 0, 1). A block in several pieces shows the owner of its largest.
+    plan = kfacx._refresh.abstract_plan(est.blocks, est._cache_spec)
+    assert plan.unit_blocks == ((0, 1, 0, 2, 1, 2),)
+    assert [(p.lo, p.hi) for p in kfacx._refresh.pieces(plan, 2)] == [
+        (0, 2), (2, 3), (3, 4), (4, 6)
+    ]  # fmt: skip
+    assert len(kfacx._refresh.pieces(plan, 4)) == 6
+    assert kfacx._refresh.pieces(plan, 1) == [kfacx._refresh.Piece(0, None, None, 6 * 64.0**3)]
+    assert est.block_owners(2) == (0, 0, 1)
+    assert est.block_owners(4) == (0, 1, 3)
     # Each block refreshing itself: the largest block alone, the two others together.
     monkeypatch.setattr(kfacx._refresh, "BATCH_INVERSES", False)
     assert est.block_owners(2) == (0, 1, 1)

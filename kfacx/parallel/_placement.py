@@ -336,16 +336,22 @@ class Placement:
             return staged
         compiled: dict[Any, Callable[..., Any]] = {}
 
-        def call(params, *args):
+        def jitted(params):
             shardings = self.param_shardings(params)
             if shardings is None:
-                return staged(params, *args)
+                return staged
             key = (jax.tree.structure(shardings), tuple(jax.tree.leaves(shardings)))
             if key not in compiled:
                 outs = out_shardings(shardings, self.replicated())
                 compiled[key] = self._jit(fn, out_shardings=outs)
-            return compiled[key](params, *args)
+            return compiled[key]
 
+        def call(params, *args):
+            return jitted(params)(params, *args)
+
+        # Ahead-of-time lowering, as of a `jax.jit` function (the program of the
+        # parameters' layout).
+        call.lower = lambda params, *args: jitted(params).lower(params, *args)
         return call
 
     def _stage_sharded_shard_map(
