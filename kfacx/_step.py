@@ -295,29 +295,35 @@ class KfacStep:
         devices (statistics only when ``update_curvature``, every
         ``curvature_update_period`` steps; ``estimator_state`` for the blocks whose
         statistics need it)."""
-        passes, axis = self.passes, self.placement.axis_name
+        passes, axis, sharded = self.passes, self.placement.axis_name, self.sharded
         args = (params, func_state, rng, batch)
-        if self.curvature.curvature_update_period == 1:
-            out = passes.value_grads_stats(*args, True, estimator_state)
-        else:
-            out = jax.lax.cond(
-                update_curvature,
-                lambda: passes.value_grads_stats(*args, True, estimator_state),
-                lambda: passes.value_grads_stats(*args, False, estimator_state),
+
+        def reduce(stats):
+            if axis is None:
+                return stats if sharded is None else sharded.reduce_stats(stats, None)
+            if sharded is None:
+                return weighted_mean_stats(stats, axis)
+            return sharded.reduce_stats(stats, axis)
+
+        def run(with_stats):
+            loss, grads, stats, new_func_state, aux = passes.value_grads_stats(
+                *args, with_stats, estimator_state
             )
+            if with_stats:
+                stats = reduce(stats)
+            else:  # Zero statistics, reduced by nothing: no collective on these steps.
+                stats = jax.tree.map(_zeros, jax.eval_shape(reduce, stats))
+            return loss, grads, stats, new_func_state, aux
+
+        if self.curvature.curvature_update_period == 1:
+            out = run(True)
+        else:
+            out = jax.lax.cond(update_curvature, lambda: run(True), lambda: run(False))
         loss, grads, stats, new_func_state, aux = out
         if axis is not None:
             loss, grads = self._pmean((loss, grads))
-            sharded = self.sharded
-            stats = (
-                weighted_mean_stats(stats, axis)
-                if sharded is None
-                else sharded.reduce_stats(stats, axis)
-            )
             if new_func_state is not None:
                 new_func_state = self._pmean(new_func_state)
-        elif self.sharded is not None:
-            stats = self.sharded.reduce_stats(stats, None)
         grads = self.regularization.add_to_gradient(grads, params, mask)
         return loss, grads, stats, new_func_state, aux
 
@@ -432,6 +438,10 @@ class KfacStep:
             new_loss = self._pmean(new_loss)
         reg = self.regularization.penalty_change(new_params, params, mask)
         return new_loss - loss + reg
+
+
+def _zeros(shape: jax.ShapeDtypeStruct) -> jax.Array:
+    return jnp.zeros(shape.shape, shape.dtype)
 
 
 def _guard(loss, sq_norms, lam, stats, new, old):

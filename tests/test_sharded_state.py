@@ -70,7 +70,7 @@ def _run(steps, **kwargs):
     with jax.enable_x64(True):
         params, batch = _x64((_params(), make_batch(n=32)))
         opt = kfacx.Optimizer(jax.value_and_grad(_loss), **{**KWARGS, **kwargs})
-        state = opt.init(params, jax.random.key(7), batch)
+        state, stats = opt.init(params, jax.random.key(7), batch), None
         for i in range(steps):
             params, state, stats = opt.step(params, state, jax.random.key(100 + i), batch)
         return opt, params, state, stats
@@ -171,6 +171,52 @@ def test_sharded_steps_equal_replicated_steps_float64(use_shard_map):
     assert int(state.step_counter) == 10
     moved = float(jnp.max(jnp.abs(want_params["w1"] - _params()["w1"])))
     assert moved > 0.1  # the comparison is not vacuous
+
+
+def _reduced_outside_conds(jaxpr) -> int:
+    """Elements summed over devices (``psum``, ``psum_scatter``) by ``jaxpr`` outside
+    any `jax.lax.cond`, in every step."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "cond":
+            continue
+        if eqn.primitive.name in ("psum", "reduce_scatter"):
+            total += sum(int(np.prod(v.aval.shape)) for v in eqn.invars)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    total += _reduced_outside_conds(sub)
+    return total
+
+
+@functools.lru_cache
+def _every_other_step(shard):
+    """4 steps with ``curvature_update_period=2`` under shard_map: ``(optimizer,
+    params, jaxpr of the step)``."""
+    opt, params, state, _ = _run(
+        4, curvature_update_period=2, mesh=_mesh(), use_shard_map=True, shard_curvature_state=shard
+    )
+    with jax.enable_x64(True):
+        batch = _x64(make_batch(n=32))
+        b, p, s, r, _ = opt.placement.put(batch, params, state, jax.random.key(0), None)
+        jaxpr = jax.make_jaxpr(opt._stage())(p, s, r, b, *[None] * 5).jaxpr
+    return opt, jax.device_get(params), jaxpr
+
+
+@pytest.mark.parametrize("shard", [False, True], ids=["replicated", "sharded"])
+def test_statistics_are_reduced_only_on_the_steps_that_update_the_curvature(shard):
+    """With ``curvature_update_period=2`` the statistics' reduction runs inside the
+    update's branch: every step sums the gradients and a few scalars only."""
+    opt, params, jaxpr = _every_other_step(shard)
+    num_params = sum(x.size for x in jax.tree.leaves(params))
+    with jax.enable_x64(True):
+        stats = opt.estimator.zero_curvature_stats().blocks
+    assert sum(x.size for x in jax.tree.leaves(stats)) > num_params  # told apart below
+    assert num_params <= _reduced_outside_conds(jaxpr) < num_params + 16
+    if shard:  # The same steps as with the replicated state.
+        want = _every_other_step(False)[1]
+        jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-10), want, params)
 
 
 def test_a_non_finite_step_keeps_the_sharded_state_bit_for_bit():
