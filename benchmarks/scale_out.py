@@ -11,14 +11,17 @@ sharded curvature state (``shard_curvature_state=True``):
   step's HLO (all-reduce, reduce-scatter, all-gather, collective-permute, all-to-all)
   and their operands, those inside conditional branches counted as the refresh's;
 - the median time of a step without and with the cache refresh (the "devices" share
-  the host's CPU cores, so replicated work shows up as time).
+  the host's CPU cores, so replicated work shows up as time);
+- on 8 devices with ``curvature_update_period=10``: the bytes every step sends, and
+  those only the steps that update the curvature or refresh send.
 
 ``--part refresh`` measures, for the autoencoder of ``examples/autoencoder_mnist.py`` (2.8 M
 parameters, 8 dense layers):
 
 - the time of one cache refresh (the damped inverses of all Kronecker factors)
   on 1 device, and distributed over 2 and 4 devices (``update_cache`` with a
-  device axis: each block on its cost-balanced owner, then one all-reduce),
+  device axis: each piece of the refresh on its cost-balanced owner, then one
+  all-reduce),
   under ``jax.pmap`` and under ``jax.shard_map`` on a mesh; with the owners'
   share of the work (the ideal speed-up is total cost / largest device load);
 - the size on disk of an orbax checkpoint of the parameters and the
@@ -397,38 +400,45 @@ def _bytes_per_device(tree) -> list[int]:
     return [per[d] for d in sorted(per, key=lambda d: d.id)]
 
 
-def sharded_state(batch_size: int, repeats: int, placements: list[str], counts: list[int]) -> dict:
-    """Optimizer-state bytes per device, bytes communicated per step and per refresh
-    (from the compiled HLO), and step / refresh-step times, for the replicated and
-    the sharded curvature state on 1, 2, 4 and 8 devices."""
+def _compiled_step(placement: str, n: int, layout: str, batch_size: int, **options):
+    """The benchmark model's step on ``n`` devices, compiled: ``(compiled, inputs,
+    optimizer, compile seconds)``."""
     params = _bottleneck_params()
     batch = jax.random.normal(jax.random.key(1), (batch_size, WIDTH))
-    options = dict(
+    mesh = jax.make_mesh(
+        (n,), ("data",), devices=jax.devices()[:n], axis_types=(jax.sharding.AxisType.Auto,)
+    )
+    opt = kfacx.Optimizer(
+        jax.value_and_grad(_bottleneck_loss),
+        mesh=mesh,
+        use_shard_map=placement == "shard_map",
+        shard_curvature_state=layout == "sharded",
         learning_rate_schedule=1e-3,
         momentum_schedule=0.9,
         initial_damping=1.0,
-        inverse_update_period=2,  # the even steps refresh, the odd ones do not
         num_burnin_steps=0,
+        **options,
     )
+    state = opt.init(params, jax.random.key(0), batch)
+    b, p, s, r, _ = opt.placement.put(batch, params, state, jax.random.key(0), None)
+    t0 = time.perf_counter()
+    compiled = opt._stage().lower(p, s, r, b, None, None, None, None, None).compile()
+    return compiled, (p, s, r, b), opt, time.perf_counter() - t0
+
+
+def sharded_state(batch_size: int, repeats: int, placements: list[str], counts: list[int]) -> dict:
+    """Optimizer-state bytes per device, bytes communicated per step and per refresh
+    (from the compiled HLO), and step / refresh-step times, for the replicated and
+    the sharded curvature state on 1, 2, 4 and 8 devices; and the bytes communicated
+    on the largest count with ``curvature_update_period=10``."""
     rows = []
     for placement in placements:
         for n in counts:
-            mesh = jax.make_mesh(
-                (n,), ("data",), devices=jax.devices()[:n], axis_types=(jax.sharding.AxisType.Auto,)
-            )
             for layout in ("replicated", "sharded"):
-                opt = kfacx.Optimizer(
-                    jax.value_and_grad(_bottleneck_loss),
-                    mesh=mesh,
-                    use_shard_map=placement == "shard_map",
-                    shard_curvature_state=layout == "sharded",
-                    **options,
+                # The even steps refresh, the odd ones do not.
+                compiled, (p, s, r, b), opt, compile_s = _compiled_step(
+                    placement, n, layout, batch_size, inverse_update_period=2
                 )
-                state = opt.init(params, jax.random.key(0), batch)
-                b, p, s, r, _ = opt.placement.put(batch, params, state, jax.random.key(0), None)
-                t0 = time.perf_counter()
-                compiled = opt._stage().lower(p, s, r, b, None, None, None, None, None).compile()
-                compile_s = time.perf_counter() - t0
                 comm = hlo_collectives(compiled.as_text(), n)
                 times = {0: [], 1: []}
                 for i in range(2 + 2 * repeats):  # step counter i: even ones refresh
@@ -463,7 +473,7 @@ def sharded_state(batch_size: int, repeats: int, placements: list[str], counts: 
                     f"{row['refresh_step_seconds'] * 1e3:7.1f} ms",
                     flush=True,
                 )
-                del opt, state, s, p
+                del opt, s, p, compiled
     for row in rows:
         if row["layout"] != "sharded":
             continue
@@ -480,8 +490,38 @@ def sharded_state(batch_size: int, repeats: int, placements: list[str], counts: 
     loads = refresh_loads(batch_size, counts)
     for row in rows:
         row["refresh_busiest_device_share"] = loads[row["devices"]][row["layout"]]
+    # Statistics every 10 steps (refresh every 20): those collectives run in the
+    # conditional's branches with the refresh's; the other steps send the rest.
+    n, periodic = max(counts), []
+    for placement in placements:
+        for layout in ("replicated", "sharded"):
+            compiled, _, _, _ = _compiled_step(
+                placement,
+                n,
+                layout,
+                batch_size,
+                curvature_update_period=10,
+                inverse_update_period=20,
+            )
+            comm = hlo_collectives(compiled.as_text(), n)
+            periodic.append(
+                dict(
+                    placement=placement,
+                    devices=n,
+                    layout=layout,
+                    every_step_comm=comm["step"],
+                    update_or_refresh_comm=comm["conditional"],
+                )
+            )
+            print(
+                f"  {placement:<9} n={n} {layout:<10} curvature_update_period=10: comm/step "
+                f"{comm['step']['total_ring_bytes'] / 2**20:7.2f} MiB, on update or refresh "
+                f"steps {comm['conditional']['total_ring_bytes'] / 2**20:7.2f} MiB more",
+                flush=True,
+            )
     return dict(
         model=dict(width=WIDTH, bottleneck=BOTTLENECK, layers=LAYERS, batch_size=batch_size),
+        curvature_update_period_10=periodic,
         timed_steps=repeats,
         bar="sharded bytes per device <= 1.15 * replicated / n",
         rows=rows,
