@@ -13,7 +13,9 @@ sharded curvature state (``shard_curvature_state=True``):
 - the median time of a step without and with the cache refresh (the "devices" share
   the host's CPU cores, so replicated work shows up as time);
 - on 8 devices with ``curvature_update_period=10``: the bytes every step sends, and
-  those only the steps that update the curvature or refresh send.
+  those only the steps that update the curvature or refresh send;
+- for 8 layers of width 2048 in a ``lax.scan`` (one `kfacx.blocks.StackedBlock`), the
+  curvature state per device against the ideal, cut into runs of slices and whole.
 
 ``--part refresh`` measures, for the autoencoder of ``examples/autoencoder_mnist.py`` (2.8 M
 parameters, 8 dense layers):
@@ -391,6 +393,44 @@ def refresh_loads(batch_size: int, counts: list[int]) -> dict:
     return out
 
 
+def _scanned_loss(params, batch):
+    """``LAYERS`` dense layers of width ``WIDTH`` in a `lax.scan` over their stacked
+    parameters: one `kfacx.blocks.StackedBlock` holds the whole curvature state."""
+
+    def layer(h, p):
+        return jnp.tanh(h @ p["w"] + p["b"]), None
+
+    h, _ = jax.lax.scan(layer, batch, params)
+    kfacx.register_squared_error_loss(h, batch)
+    return jnp.mean(jnp.sum((h - batch) ** 2, axis=-1))
+
+
+def stacked_bytes(counts: list[int]) -> dict:
+    """For the scanned model (one stacked block of ``LAYERS`` slices), the curvature
+    state each device stores (one row of the packed buffers, padding included) as a
+    multiple of the ideal (all of it / n), with the block cut into runs of slices (the
+    default) and kept whole; from the layout alone (no arrays are made)."""
+    est = kfacx.BlockDiagonalCurvature(_scanned_loss)
+    params = dict(w=jnp.zeros((LAYERS, WIDTH, WIDTH)), b=jnp.zeros((LAYERS, WIDTH)))
+    est.set_up((params, jnp.zeros((8, WIDTH))))
+    total = sum(_sharded_curvature.plan_for(est, 1).state_layout.owner_bytes())
+    out = {}
+    for n in counts:
+        plan = _sharded_curvature.plan_for(est, n)
+        out[n] = dict(
+            runs=len(plan.units.units),
+            cut_ratio_to_ideal=plan.state_layout.row_bytes() / (total / n),
+            whole_ratio_to_ideal=float(n),  # one block, one owner: all of it
+        )
+        print(
+            f"  scanned model, n={n}: {len(plan.units.units)} runs of slices; state per "
+            f"device {out[n]['cut_ratio_to_ideal']:.3f} x ideal (kept whole: "
+            f"{out[n]['whole_ratio_to_ideal']:.3f})",
+            flush=True,
+        )
+    return out
+
+
 def _bytes_per_device(tree) -> list[int]:
     """Bytes of ``tree``'s arrays on each device, from their addressable shards."""
     per: dict = {}
@@ -522,6 +562,10 @@ def sharded_state(batch_size: int, repeats: int, placements: list[str], counts: 
     return dict(
         model=dict(width=WIDTH, bottleneck=BOTTLENECK, layers=LAYERS, batch_size=batch_size),
         curvature_update_period_10=periodic,
+        scanned_model=dict(
+            model=f"{LAYERS} dense layers of width {WIDTH} in a lax.scan (one StackedBlock)",
+            bytes=stacked_bytes(counts),
+        ),
         timed_steps=repeats,
         bar="sharded bytes per device <= 1.15 * replicated / n",
         rows=rows,

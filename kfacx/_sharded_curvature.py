@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from kfacx import _identity_weights, _refresh, _statistics
+from kfacx import _identity_weights, _refresh, _sharded_units, _statistics
 from kfacx._transform_parts import is_traced, refresh_on_schedule
 from kfacx.estimator import BlockDiagonalCurvature, CurvatureStats, EstimatorState
 from kfacx.parallel import _distributed
@@ -86,7 +86,7 @@ class ShardedCurvature:
 
     def _build(self) -> tuple[PackLayout, PackLayout]:
         if self._built is not None and self._built[0] is self.estimator.blocks:
-            return self._built[1:]
+            return self._built[1:3]
         est = self.estimator
         blocks = est.blocks
         needing = [b for b in blocks if getattr(b, "statistics_need_state", False)]
@@ -98,17 +98,22 @@ class ShardedCurvature:
             )
         spec = est._cache_spec
         states = jax.eval_shape(lambda: [b.init(jax.random.key(0), *spec) for b in blocks])
-        sizes = [sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(s)) for s in states]
-        costs = [_distributed.refresh_cost(b) for b in blocks]
-        owners = assign_owners_by_bytes(sizes, costs, self.num_devices)
+        # Large stacked blocks are cut into runs of slices, unless a norm of each whole
+        # block scales its damping.
+        whole = est.norm_to_scale_identity_weight_per_block is not None
+        cut = _sharded_units.cut(blocks, _bytes(states), self.num_devices, not whole)
+        units = _sharded_units.Units(blocks, cut)
+        states = jax.eval_shape(units.split, states)
+        costs = [_distributed.refresh_cost(b) for b in units.blocks]
+        owners = assign_owners_by_bytes(_bytes(states), costs, self.num_devices)
         self.state_shapes = states
         # Buffers of the moving averages (they change every step) apart from those of
         # the caches (at refreshes): a step rewrites the former and passes on the latter.
         front = [len(jax.tree.leaves(s.factors)) for s in states]
         state_layout = PackLayout(states, owners, self.num_devices, front)
-        stats = jax.eval_shape(est.zero_curvature_stats).blocks
+        stats = jax.eval_shape(lambda: units.split(est.zero_curvature_stats().blocks))
         stats_layout = PackLayout(stats, owners, self.num_devices)
-        self._built = (blocks, state_layout, stats_layout)
+        self._built = (blocks, state_layout, stats_layout, units)
         self._precon_layouts = {}
         return state_layout, stats_layout
 
@@ -118,15 +123,21 @@ class ShardedCurvature:
         return self._build()[0]
 
     @property
+    def units(self) -> _sharded_units.Units:
+        """The units of the state (whole blocks, runs of slices of large stacked ones)."""
+        self._build()
+        return self._built[3]
+
+    @property
     def owners(self) -> tuple[int, ...]:
-        """The owner device of each block."""
+        """The owner device of each unit (`units`)."""
         return self.state_layout.owners
 
     def _precon_layout(self, vectors, weights, power, exact) -> PackLayout:
         shapes = [(jnp.shape(x), jnp.result_type(x)) for x in jax.tree.leaves((vectors, weights))]
         key = (power, exact, tuple(shapes))
         if key not in self._precon_layouts:
-            blocks = self.estimator.blocks
+            blocks = self.units.blocks
             outs = jax.eval_shape(
                 lambda s, v: [
                     b.multiply_matpower(si, vi, w, power, exact, True)
@@ -142,7 +153,7 @@ class ShardedCurvature:
 
     def shard(self, state: EstimatorState) -> ShardedEstimatorState:
         """``state`` packed per owner, laid out over the data axis when there is a mesh."""
-        buffers = self.state_layout.pack(state.blocks)
+        buffers = self.state_layout.pack(self.units.split(state.blocks))
         if self.mesh is not None:
             sharding = NamedSharding(self.mesh, P(self.axis_name))
             if any(map(is_traced, buffers)):
@@ -156,9 +167,9 @@ class ShardedCurvature:
         buffers = state.buffers
         if not any(map(is_traced, buffers)):
             buffers = jax.device_get(buffers)
-            blocks = self.state_layout.unpack(buffers)
+            blocks = self.units.join(self.state_layout.unpack(buffers))
             return EstimatorState(tuple(jax.tree.map(jnp.asarray, blocks)))
-        return EstimatorState(tuple(self.state_layout.unpack(buffers)))
+        return EstimatorState(tuple(self.units.join(self.state_layout.unpack(buffers))))
 
     def local_shapes(self, expected: Any) -> Any:
         """``expected`` (shapes of a global state) with the rows one device sees."""
@@ -183,14 +194,14 @@ class ShardedCurvature:
             # The compiler all-reduces the statistics it computes over the global batch;
             # each owner then reads its rows (laying them out over the axis here makes
             # GSPMD add all-to-alls, no reduce-scatter).
-            rows = layout.pack(stats.blocks)
+            rows = layout.pack(self.units.split(stats.blocks))
             return PackedStats(rows, rows)
         # As `kfacx.parallel._reductions.weighted_mean`, summed to the owner only.
         weight = jnp.asarray(stats.batch_size, jnp.float32)
         total = jax.lax.psum(weight, axis_name)
         safe = jnp.where(total > 0, total, 1.0)
         weighted = jax.tree.map(lambda s: s * weight.astype(s.dtype), stats.blocks)
-        packed = layout.pack(weighted)
+        packed = layout.pack(self.units.split(weighted))
         mine = jax.lax.psum_scatter(packed, axis_name, scatter_dimension=0, tiled=True)
         rows = tuple(m / safe.astype(m.dtype) for m in mine)
         check = jax.lax.psum(
@@ -223,6 +234,7 @@ class ShardedCurvature:
             _identity_weights.check(identity_weight, "multiply_matpower", allow_zero=False)
         ema_old, ema_new = _emas(curvature_ema, update_curvature)
         weights = _identity_weights.per_block(identity_weight, len(self.estimator.blocks))
+        weights = self.units.per_unit(weights)
         run = functools.partial(
             self._local_precondition,
             period=inverse_update_period,
@@ -287,7 +299,8 @@ class ShardedCurvature:
         state_layout, stats_layout = self._build()
         states = state_layout.unpack_owner(d, rows)
         stats = stats_layout.unpack_owner(d, stat_rows)
-        blocks, coverage = self.estimator.blocks, self.estimator._coverage_shapes
+        blocks = self.units.blocks
+        coverage = self.units.per_unit(self.estimator._coverage_shapes)
         return {
             i: _statistics.update_block(
                 blocks[i], states[i], stats[i], ema_old, ema_new, coverage[i] is not None
@@ -308,8 +321,8 @@ class ShardedCurvature:
     def _local_precondition(
         self, rows, stat_rows, grads, count, weights, ema_old, ema_new, *, period, exact, power
     ):
-        est = self.estimator
-        vectors = est.params_to_blocks(grads)
+        est, units = self.estimator, self.units
+        vectors = units.split(est.params_to_blocks(grads))
         precon_layout = self._precon_layout(vectors, weights, power, exact)
         rows, stat_rows = [r[0] for r in rows], [r[0] for r in stat_rows]
         norm = est.norm_to_scale_identity_weight_per_block
@@ -319,7 +332,7 @@ class ShardedCurvature:
             states = self._fold_owner(d, rows, stat_rows, ema_old, ema_new)
             rows = layout.pack_owner(d, states, rows, group=0)
             mine = sorted(states)
-            blocks = [est.blocks[i] for i in mine]
+            blocks = [units.blocks[i] for i in mine]
             own_weights = tuple(weights[i] for i in mine)
 
             # On the rows: the steps between refreshes pass them on as they are.
@@ -347,8 +360,13 @@ class ShardedCurvature:
             gathered = tuple(r[None] for r in precon_row)
         else:
             gathered = tuple(jax.lax.all_gather(r, self.axis_name) for r in precon_row)
-        precon = est.blocks_to_params(precon_layout.unpack(gathered), like=grads)
+        precon = est.blocks_to_params(units.join(precon_layout.unpack(gathered)), like=grads)
         return precon, tuple(r[None] for r in new_rows)
+
+
+def _bytes(states: Any) -> list[int]:
+    """The bytes of each state (of shapes)."""
+    return [sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(s)) for s in states]
 
 
 def _emas(curvature_ema: Any, update_curvature: Any) -> tuple[Any, Any]:

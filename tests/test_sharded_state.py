@@ -297,3 +297,78 @@ def test_bad_options_say_what_to_use():
         ekfac.init(params, jax.random.key(0), batch)
     with pytest.raises(TypeError, match="gather_estimator_state takes"):
         kfacx.gather_estimator_state(est, est.init(jax.random.key(0), (params, batch)))
+
+
+# ----------------------------------------------------------------------------- stacked
+
+
+def _stacked_loss(params, batch):
+    """Four dense layers of width 8 in a `lax.scan` over their stacked parameters (one
+    `StackedBlock` holding most of the curvature state) between two dense layers."""
+    x, y = batch
+    h = jnp.tanh(x @ params["w_in"] + params["b_in"][None, :])
+
+    def layer(h, p):
+        return jnp.tanh(h @ p["w"] + p["b"][None, :]), None
+
+    h, _ = jax.lax.scan(layer, h, params["stack"])
+    logits = h @ params["w_out"] + params["b_out"][None, :]
+    kfacx.register_softmax_cross_entropy_loss(logits, y)
+    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, y))
+
+
+def _stacked_params(din=5, width=8, layers=4, dout=3):
+    rng = np.random.default_rng(0)
+    return dict(
+        w_in=rng.normal(size=(din, width)) * 0.5,
+        b_in=np.zeros(width),
+        stack=dict(w=rng.normal(size=(layers, width, width)) * 0.4, b=np.zeros((layers, width))),
+        w_out=rng.normal(size=(width, dout)) * 0.5,
+        b_out=np.zeros(dout),
+    )
+
+
+def _stacked_run(shard):
+    with jax.enable_x64(True):
+        params, batch = _x64((_stacked_params(), make_batch(n=32)))
+        params = jax.tree.map(jnp.asarray, params)
+        opt = kfacx.Optimizer(
+            jax.value_and_grad(_stacked_loss),
+            mesh=_mesh(),
+            use_shard_map=True,
+            shard_curvature_state=shard,
+            **KWARGS,
+        )
+        state = opt.init(params, jax.random.key(7), batch)
+        for i in range(10):
+            params, state, _ = opt.step(params, state, jax.random.key(100 + i), batch)
+        if shard:
+            est = kfacx.gather_estimator_state(opt.estimator, state.estimator_state)
+        else:
+            est = state.estimator_state
+        return opt, jax.device_get((params, est))
+
+
+def test_a_large_stacked_block_is_cut_into_runs_of_slices_on_several_owners():
+    opt, (params, est) = _stacked_run(True)
+    _, want = _stacked_run(False)
+    stacked = [
+        i for i, b in enumerate(opt.estimator.blocks) if type(b) is kfacx.blocks.StackedBlock
+    ]
+    assert len(stacked) == 1
+    plan = _sharded_curvature.plan_for(opt.estimator, N)
+    cut = [(u.lo, u.hi) for u in plan.units.units if u.block == stacked[0]]
+    assert cut == [(0, 1), (1, 2), (2, 3), (3, 4)]  # one slice each: 83 % of the bytes
+    owners = [o for u, o in zip(plan.units.units, plan.owners, strict=True) if u.lo is not None]
+    assert sorted(owners) == list(range(N))
+    close = functools.partial(np.testing.assert_allclose, rtol=1e-10, atol=1e-12)
+    jax.tree.map(close, want, (params, est))
+    # Repacked for 2 devices (runs of at most half a device's share: one slice each
+    # again, two per device) and read back: the same state.
+    with jax.enable_x64(True):
+        two = kfacx.shard_estimator_state(opt.estimator, est, 2)
+        plan2 = _sharded_curvature.plan_for(opt.estimator, 2)
+        runs = [o for u, o in zip(plan2.units.units, plan2.owners, strict=True) if u.lo is not None]
+        assert sorted(runs) == [0, 0, 1, 1]
+        again = kfacx.gather_estimator_state(opt.estimator, two)
+    jax.tree.map(np.testing.assert_array_equal, est, jax.device_get(again))
