@@ -46,6 +46,7 @@ from kfacx._transform_parts import (
     replace_params,
 )
 from kfacx.estimator import BlockDiagonalCurvature, CurvatureStats, EstimatorState
+from kfacx.parallel._sharded_state import ShardedEstimatorState
 
 
 class ScaleByKfacState(NamedTuple):
@@ -61,7 +62,7 @@ class ScaleByKfacState(NamedTuple):
     estimator_state: EstimatorState
 
 
-def estimator_state(opt_state: Any) -> EstimatorState:
+def estimator_state(opt_state: Any) -> EstimatorState | ShardedEstimatorState:
     """The curvature estimator's state inside an optax state holding one `scale_by_kfac`
     or `kfacx.scale_by_kfac_eigen_adam` (in `optax.chain`, `optax.inject_hyperparams`,
     ...; any state tuple with an ``estimator_state`` field counts), for the blocks whose
@@ -70,13 +71,16 @@ def estimator_state(opt_state: Any) -> EstimatorState:
         loss, grads, stats = estimator.value_grads_and_curvature_stats(
             rng, (params, batch), estimator_state=kfacx.estimator_state(opt_state))
 
+    With ``shard_curvature_state=True`` it is the `kfacx.parallel.ShardedEstimatorState`
+    (read it per block with `kfacx.gather_estimator_state`).
+
     Raises:
       ValueError: if ``opt_state`` holds no such state, or several.
     """
 
     def is_kfac(x: Any) -> bool:
         return isinstance(x, tuple) and isinstance(
-            getattr(x, "estimator_state", None), EstimatorState
+            getattr(x, "estimator_state", None), EstimatorState | ShardedEstimatorState
         )
 
     found = [x for x in jax.tree_util.tree_leaves(opt_state, is_leaf=is_kfac) if is_kfac(x)]

@@ -248,7 +248,9 @@ def _optax_run(shard):
         specs = kfacx.parallel.sharded_state_specs(opt_state, "d")
 
         def step(params, opt_state, batch):
-            loss, grads, stats = est.value_grads_and_curvature_stats(None, (params, batch))
+            loss, grads, stats = est.value_grads_and_curvature_stats(
+                None, (params, batch), estimator_state=kfacx.estimator_state(opt_state)
+            )
             grads = jax.lax.pmean(grads, "d")
             updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
             return optax.apply_updates(params, updates), opt_state
@@ -264,7 +266,8 @@ def _optax_run(shard):
         )
         for _ in range(3):
             params, opt_state = mapped(params, opt_state, batch)
-        state = opt_state[0].estimator_state
+        state = kfacx.estimator_state(opt_state)
+        assert state is opt_state[0].estimator_state
         if shard:
             state = kfacx.gather_estimator_state(est, state)
         return jax.device_get((params, state))
