@@ -162,9 +162,18 @@ class ShardedCurvature:
                 buffers = jax.device_put(buffers, sharding)
         return ShardedEstimatorState(tuple(buffers))
 
+    def own_rows(self, state: ShardedEstimatorState) -> ShardedEstimatorState:
+        """This device's rows ``[1, length]`` of ``state`` (inside the data axis: under
+        `jax.pmap` each device keeps its own)."""
+        me = jax.lax.axis_index(self.axis_name)
+        return ShardedEstimatorState(
+            tuple(jax.lax.dynamic_slice_in_dim(b, me, 1) for b in state.buffers)
+        )
+
     def gather(self, state: ShardedEstimatorState) -> EstimatorState:
-        """The ordinary per-block state from the global buffers."""
-        buffers = state.buffers
+        """The ordinary per-block state from the global buffers (``[devices, length]``,
+        or ``[devices, 1, length]`` from `jax.pmap`)."""
+        buffers = tuple(b.reshape(b.shape[0], -1) for b in state.buffers)
         if not any(map(is_traced, buffers)):
             buffers = jax.device_get(buffers)
             blocks = self.units.join(self.state_layout.unpack(buffers))
@@ -384,6 +393,8 @@ def sharded_curvature(placement: Any, estimator: BlockDiagonalCurvature) -> Any:
     when the state is replicated."""
     if not placement.shard_state:
         return None
+    if placement.kind == "pmap":
+        return ShardedCurvature(estimator, placement.state_shards, placement.axis_name)
     mesh, axis = placement.mesh, placement.data_axis_name
     return ShardedCurvature(estimator, placement.num_shards, axis, mesh)
 

@@ -107,13 +107,13 @@ class Optimizer:
       use_shard_map: with ``mesh``, run the step as a `jax.shard_map` over
         the data axis (each device sees its shard and the step averages over
         the axis, as under pmap) instead of letting the compiler partition it.
-      shard_curvature_state: with ``mesh``, keep each curvature block's factors and
-        cached inverses on one owner device of the data axis (a
+      shard_curvature_state: with ``mesh`` (or ``multi_device``), keep each curvature
+        block's factors and cached inverses on one owner device of the data axis (a
         `kfacx.parallel.ShardedEstimatorState`, owners balanced by bytes): its
         statistics are reduce-scattered to it, it preconditions its blocks and the
         update is all-gathered once per step. Same results as the replicated state;
-        `kfacx.gather_estimator_state` reads it back per block. Not with
-        ``multi_device`` (pmap) yet, nor with EKFAC blocks.
+        `kfacx.gather_estimator_state` reads it back per block. Not with EKFAC
+        blocks.
       debug: do not compile `step` (for debugging with Python prints).
       compiler_options: XLA options for the compiled `step` (all placements
         but ``multi_device``), e.g. `kfacx.fast_compile_options` ``()`` (on the CPU:
@@ -298,8 +298,11 @@ class Optimizer:
         """`init` without staging (pure; for users who jit or pmap it themselves)."""
         args = self._passes.call.args(params, func_state, rng, self._passes.microbatch(batch))
         est = self.estimator.init(rng, args)
-        if self._kfac_step.sharded is not None:
-            est = self._kfac_step.sharded.shard(est)
+        sharded = self._kfac_step.sharded
+        if sharded is not None:
+            est = sharded.shard(est)
+            if self.multi_device:  # Under pmap each device keeps its own rows.
+                est = sharded.own_rows(est)
         initial = self.damping.initial_damping
         return OptimizerState(
             velocities=jax.tree.map(lambda p: zeros(jnp.shape(p), jnp.result_type(p)), params),

@@ -83,15 +83,10 @@ class Placement:
             raise ValueError(
                 "Pass either multi_device=True (jax.pmap) or mesh= (sharded jax.jit), not both."
             )
-        if shard_curvature_state and mesh is None:
+        if shard_curvature_state and mesh is None and not multi_device:
             raise ValueError(
-                "shard_curvature_state=True splits the curvature state over the data axis of "
-                "a mesh: pass mesh= (sharded jit, or use_shard_map=True), not "
-                + (
-                    "multi_device=True (jax.pmap is not supported yet)."
-                    if multi_device
-                    else "none."
-                )
+                "shard_curvature_state=True splits the curvature state over devices: pass "
+                "mesh= (sharded jit, or use_shard_map=True) or multi_device=True (jax.pmap)."
             )
         self.shard_state = bool(shard_curvature_state)
         if use_shard_map and mesh is None:
@@ -135,6 +130,12 @@ class Placement:
         if self.mesh is None:
             return 1
         return int(self.mesh.shape[self.data_axis_name])
+
+    @property
+    def state_shards(self) -> int:
+        """The devices a sharded curvature state is split over: the data axis of the
+        mesh, or every device under ``pmap``."""
+        return jax.device_count() if self.kind == "pmap" else self.num_shards
 
     def check_batch(self, batch: Any) -> None:
         """Raises a ValueError if the mesh's data axis does not divide the batch."""
