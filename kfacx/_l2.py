@@ -17,13 +17,16 @@ behind the reduction ratio (`penalty_change`) as well.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from kfacx import _checks
 from kfacx._paths import path_to_str
 from kfacx._quadratic_model import direction_norms
 from kfacx._tree import tree_axpy, tree_dot
@@ -41,8 +44,10 @@ class Regularization:
         already contains it).
 
     Raises:
-      TypeError: if ``exclusions`` is a string or holds a non-string.
-      ValueError: for a pattern that is not a regular expression.
+      TypeError: if ``l2_reg`` is not a number, ``added`` not a bool, or
+        ``exclusions`` is a string or holds a non-string.
+      ValueError: for a negative or non-finite ``l2_reg``, or a pattern that is not a
+        regular expression.
     """
 
     l2_reg: float
@@ -50,6 +55,16 @@ class Regularization:
     added: bool = False
 
     def __post_init__(self):
+        if not _checks.is_number(self.l2_reg):
+            raise TypeError(f"l2_reg must be a number, e.g. 1e-5; got {self.l2_reg!r}.")
+        if not 0 <= float(self.l2_reg) < math.inf:
+            raise ValueError(f"l2_reg must be >= 0 and finite, got {self.l2_reg}.")
+        object.__setattr__(self, "l2_reg", float(self.l2_reg))
+        if not isinstance(self.added, (bool, np.bool_)):
+            raise TypeError(
+                f"add_l2_reg must be True or False, got {self.added!r} (True: the optimizer "
+                "adds l2_reg's term to the loss; False: the loss already has it)."
+            )
         patterns = self.exclusions
         if isinstance(patterns, (str, bytes)) or not isinstance(patterns, Sequence):
             raise TypeError(

@@ -174,8 +174,6 @@ class Optimizer:
     ):
         if not callable(value_and_grad_func):
             raise TypeError(f"value_and_grad_func must be callable, got {value_and_grad_func!r}.")
-        if not float(l2_reg) >= 0:
-            raise ValueError(f"l2_reg must be >= 0, got {l2_reg}.")
         curvature, learning_rate, damping, batch = resolve_configs(
             curvature, learning_rate, damping, batch, kwargs
         )
@@ -205,7 +203,7 @@ class Optimizer:
             curvature,
             learning_rate,
             damping,
-            Regularization(float(l2_reg), regularized_parameters_path_exclusions, add_l2_reg),
+            Regularization(l2_reg, regularized_parameters_path_exclusions, add_l2_reg),
             schedules(learning_rate, damping),
             self._passes,
             self.placement,

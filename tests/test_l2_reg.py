@@ -5,6 +5,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from test_optimizer import (
@@ -99,6 +100,14 @@ def test_the_term_added_to_a_loss_that_has_it_counts_it_twice():
     assert float(jnp.max(jnp.abs(once["w1"] - twice["w1"]))) > 1e-3
 
 
-def test_l2_reg_must_not_be_negative():
-    with pytest.raises(ValueError, match="l2_reg must be >= 0"):
-        kfacx.Optimizer(jax.value_and_grad(mlp_loss), l2_reg=-1.0)
+def test_l2_reg_and_add_l2_reg_are_checked():
+    value_and_grad = jax.value_and_grad(mlp_loss)
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="l2_reg must be >= 0 and finite"):
+            kfacx.Optimizer(value_and_grad, l2_reg=bad)
+    for bad in ("1e-3", True, None):
+        with pytest.raises(TypeError, match="l2_reg must be a number"):
+            kfacx.Optimizer(value_and_grad, l2_reg=bad)
+    with pytest.raises(TypeError, match="add_l2_reg must be True or False, got 'yes'"):
+        kfacx.Optimizer(value_and_grad, add_l2_reg="yes")
+    assert kfacx.Optimizer(value_and_grad, l2_reg=np.float32(1e-3)) is not None
