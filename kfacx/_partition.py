@@ -217,8 +217,10 @@ def block_labels(
     Args:
       estimator: the curvature estimator of the whole model.
       labels: a mapping from layer tag name (``"dense_tag"``, ``"conv_tag"``,
-        ``"embedding_tag"``, ``"scale_and_shift_tag"``, ``"generic_tag"``...) to
-        label, or a function ``block -> label`` of the `kfacx.CurvatureBlock`
+        ``"embedding_tag"``, ``"scale_and_shift_tag"``, ``"generic_tag"``...; the
+        pseudo tags ``"tied"`` for parameters several layers share and ``"sliced"``
+        for parameters whose slices feed different layers, e.g. a fused QKV weight)
+        to label, or a function ``block -> label`` of the `kfacx.CurvatureBlock`
         (its ``layer`` has ``tag_name`` and ``parameter_paths``).
       default: the label of parameters whose tag ``labels`` does not name;
         None makes such a parameter an error.
