@@ -5,11 +5,12 @@ device of the mesh's data axis (owners balanced by bytes,
 `kfacx.parallel._sharded_state.assign_owners_by_bytes`), packed into a
 `kfacx.parallel.ShardedEstimatorState`. One step, on each device of the axis:
 
-1. the statistics of every block are packed per owner and reduced to their owner
-   (``psum_scatter``: each device receives the sum of its own blocks' statistics,
-   not all of them), then averaged as `kfacx.estimator.weighted_mean_stats` does;
-   under the sharded jit (GSPMD) the global statistics are laid out over the axis
-   and the compiler reduces them there;
+1. the statistics and the gradient of every block are packed per owner and reduced
+   to their owner (``psum_scatter``: each device receives the sum of its own blocks'
+   statistics and gradients, not all of them), the statistics then averaged as
+   `kfacx.estimator.weighted_mean_stats` does (`OwnedGradient` serves the gradient's
+   dot products the step needs besides); under the sharded jit (GSPMD) the compiler
+   reduces the global statistics and gradient, and each owner reads its part;
 2. a `jax.lax.switch` on the device index runs the owner's branch: it unpacks its
    blocks' states and statistics (static offsets), folds the statistics into the
    moving averages, refreshes the caches on schedule and preconditions its blocks'
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -331,12 +333,18 @@ class ShardedCurvature:
         self, rows, stat_rows, grads, count, weights, ema_old, ema_new, *, period, exact, power
     ):
         est, units = self.estimator, self.units
-        vectors = units.split(est.params_to_blocks(grads))
+        owned = isinstance(grads, OwnedGradient)
+        like = grads.like if owned else grads
+        vectors = units.split(est.params_to_blocks(like))
         precon_layout = self._precon_layout(vectors, weights, power, exact)
+        if owned:  # This device's units only, packed.
+            vectors = tuple(r[0] for r in grads.rows)
         rows, stat_rows = [r[0] for r in rows], [r[0] for r in stat_rows]
         norm = est.norm_to_scale_identity_weight_per_block
 
         def branch(d, rows, stat_rows, vectors, count, weights, ema_old, ema_new):
+            if owned:
+                vectors = self._vector_layout(like).unpack_owner(d, vectors)
             layout = self.state_layout
             states = self._fold_owner(d, rows, stat_rows, ema_old, ema_new)
             rows = layout.pack_owner(d, states, rows, group=0)
@@ -369,8 +377,60 @@ class ShardedCurvature:
             gathered = tuple(r[None] for r in precon_row)
         else:
             gathered = tuple(jax.lax.all_gather(r, self.axis_name) for r in precon_row)
-        precon = est.blocks_to_params(units.join(precon_layout.unpack(gathered)), like=grads)
+        precon = est.blocks_to_params(units.join(precon_layout.unpack(gathered)), like=like)
         return precon, tuple(r[None] for r in new_rows)
+
+    # ---------------------------------------------------------------- the gradient
+
+    def _vector_layout(self, grads: Any) -> PackLayout:
+        """The layout of ``grads``'s units packed per owner (cached by shapes)."""
+        key = ("vectors", tuple((jnp.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(grads)))
+        if key not in self._precon_layouts:
+            vectors = self.units.split(self.estimator.params_to_blocks(grads))
+            self._precon_layouts[key] = PackLayout(vectors, self.owners, self.num_devices)
+        return self._precon_layouts[key]
+
+    def scatter_grads(self, grads: Any, axis_name: str) -> OwnedGradient:
+        """The mean of the devices' ``grads`` over the axis, each device receiving its
+        own units' part only (a reduce-scatter instead of an all-reduce)."""
+        layout = self._vector_layout(grads)
+        packed = layout.pack(self.units.split(self.estimator.params_to_blocks(grads)))
+        mine = jax.lax.psum_scatter(packed, axis_name, scatter_dimension=0, tiled=True)
+        return OwnedGradient(self, tuple(m / self.num_devices for m in mine), grads)
+
+
+class OwnedGradient:
+    """The gradient reduce-scattered to the owners (`ShardedCurvature.scatter_grads`):
+    each device holds the mean gradient of the units it owns, packed (``rows``, one
+    ``[1, length]`` per buffer). The sharded precondition reads it; a dot product with a
+    whole pytree (`kfacx._tree.tree_dot` calls `dot_with`) sums the owners' parts over
+    the axis, which is all the step needs of the gradient besides."""
+
+    def __init__(self, plan: ShardedCurvature, rows: tuple[jax.Array, ...], like: Any):
+        self.plan, self.rows, self.like = plan, rows, like
+
+    def dot_with(self, other: Any) -> jax.Array:
+        plan, rows = self.plan, [r[0] for r in self.rows]
+        if other is self:
+            local = _dots(rows, rows)
+        else:
+            layout = plan._vector_layout(self.like)
+            vectors = plan.units.split(plan.estimator.params_to_blocks(other))
+
+            def branch(d, rows, vectors):
+                return _dots(rows, layout.pack_owner(d, {i: vectors[i] for i in layout.owned[d]}))
+
+            local = plan._on_owner(branch, rows, vectors)
+        return jax.lax.psum(local, plan.axis_name)
+
+
+def _dots(xs: Sequence[jax.Array], ys: Sequence[jax.Array]) -> jax.Array:
+    """``sum(x * y)`` over the pairs, in float32 or wider (as `kfacx._tree.tree_dot`)."""
+    wide = _statistics.wide
+    return sum(
+        (jnp.sum(wide(x) * wide(y)) for x, y in zip(xs, ys, strict=True)),
+        jnp.zeros((), jnp.float32),
+    )
 
 
 def _bytes(states: Any) -> list[int]:

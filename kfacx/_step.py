@@ -312,7 +312,9 @@ class KfacStep:
             if with_stats:
                 stats = reduce(stats)
             else:  # Zero statistics, reduced by nothing: no collective on these steps.
-                stats = jax.tree.map(_zeros, jax.eval_shape(reduce, stats))
+                stats = jax.tree.map(
+                    lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(reduce, stats)
+                )
             return loss, grads, stats, new_func_state, aux
 
         if self.curvature.curvature_update_period == 1:
@@ -320,11 +322,15 @@ class KfacStep:
         else:
             out = jax.lax.cond(update_curvature, lambda: run(True), lambda: run(False))
         loss, grads, stats, new_func_state, aux = out
-        if axis is not None:
-            loss, grads = self._pmean((loss, grads))
-            if new_func_state is not None:
-                new_func_state = self._pmean(new_func_state)
-        grads = self.regularization.add_to_gradient(grads, params, mask)
+        if axis is not None and sharded is not None:  # To the owners (a reduce-scatter).
+            grads = self.regularization.add_to_gradient(grads, params, mask)
+            loss, grads = self._pmean(loss), sharded.scatter_grads(grads, axis)
+        else:
+            if axis is not None:
+                loss, grads = self._pmean((loss, grads))
+            grads = self.regularization.add_to_gradient(grads, params, mask)
+        if axis is not None and new_func_state is not None:
+            new_func_state = self._pmean(new_func_state)
         return loss, grads, stats, new_func_state, aux
 
     def _precondition(self, state, grads, stats, identity_weight, update_curvature):
@@ -438,10 +444,6 @@ class KfacStep:
             new_loss = self._pmean(new_loss)
         reg = self.regularization.penalty_change(new_params, params, mask)
         return new_loss - loss + reg
-
-
-def _zeros(shape: jax.ShapeDtypeStruct) -> jax.Array:
-    return jnp.zeros(shape.shape, shape.dtype)
 
 
 def _guard(loss, sq_norms, lam, stats, new, old):

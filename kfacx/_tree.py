@@ -22,7 +22,11 @@ SMALL_LEAF = 4096
 
 
 def tree_dot(a: Any, b: Any) -> jax.Array:
-    """``sum(x * y)`` over all leaves, in float32 or wider."""
+    """``sum(x * y)`` over all leaves, in float32 or wider (an operand with a
+    ``dot_with`` method, e.g. a gradient split over devices, computes it itself)."""
+    for x, y in ((a, b), (b, a)):
+        if hasattr(x, "dot_with"):
+            return x.dot_with(y)
     pairs = [
         (wide(x), wide(y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
     ]

@@ -174,14 +174,14 @@ def test_sharded_steps_equal_replicated_steps_float64(use_shard_map):
 
 
 def _reduced_outside_conds(jaxpr) -> int:
-    """Elements summed over devices (``psum``, ``psum_scatter``) by ``jaxpr`` outside
-    any `jax.lax.cond`, in every step."""
+    """Elements summed over devices by ``jaxpr`` outside any `jax.lax.cond`, in every
+    step: those a ``psum`` returns and those a ``psum_scatter`` hands each device."""
     total = 0
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "cond":
             continue
         if eqn.primitive.name in ("psum", "reduce_scatter"):
-            total += sum(int(np.prod(v.aval.shape)) for v in eqn.invars)
+            total += sum(int(np.prod(v.aval.shape)) for v in eqn.outvars)
         for value in eqn.params.values():
             for sub in value if isinstance(value, tuple | list) else (value,):
                 sub = getattr(sub, "jaxpr", sub)
@@ -207,13 +207,19 @@ def _every_other_step(shard):
 @pytest.mark.parametrize("shard", [False, True], ids=["replicated", "sharded"])
 def test_statistics_are_reduced_only_on_the_steps_that_update_the_curvature(shard):
     """With ``curvature_update_period=2`` the statistics' reduction runs inside the
-    update's branch: every step sums the gradients and a few scalars only."""
+    update's branch: every step sums the gradients (sharded: each device receives its
+    own blocks' part) and a few scalars only."""
     opt, params, jaxpr = _every_other_step(shard)
     num_params = sum(x.size for x in jax.tree.leaves(params))
     with jax.enable_x64(True):
         stats = opt.estimator.zero_curvature_stats().blocks
     assert sum(x.size for x in jax.tree.leaves(stats)) > num_params  # told apart below
-    assert num_params <= _reduced_outside_conds(jaxpr) < num_params + 16
+    reduced = _reduced_outside_conds(jaxpr)
+    assert reduced < num_params + 16
+    if shard:  # The gradient is reduce-scattered: each device gets about 1/N of it.
+        assert reduced < num_params
+    else:
+        assert reduced >= num_params
     if shard:  # The same steps as with the replicated state.
         want = _every_other_step(False)[1]
         jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-10), want, params)
