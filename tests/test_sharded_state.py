@@ -225,6 +225,30 @@ def test_statistics_are_reduced_only_on_the_steps_that_update_the_curvature(shar
         jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-10), want, params)
 
 
+def test_fixed_rate_with_norm_constraint_reads_the_scattered_gradient_as_replicated():
+    """Without the quadratic model the gradient's dot products come from the norm
+    constraint and the step's norms: the owners' parts, summed over the devices."""
+    fixed = dict(
+        learning_rate_schedule=0.3, momentum_schedule=0.5, damping_schedule=1e-2,
+        norm_constraint=1e-3, use_adaptive_learning_rate=False, use_adaptive_momentum=False,
+        use_adaptive_damping=False, estimation_mode="ggn_exact", num_burnin_steps=0,
+    )  # fmt: skip
+    runs = []
+    for shard in (False, True):
+        opt = kfacx.Optimizer(
+            jax.value_and_grad(_loss), mesh=_mesh(), use_shard_map=True,
+            shard_curvature_state=shard, **fixed,
+        )  # fmt: skip
+        with jax.enable_x64(True):
+            params, batch = _x64((_params(), make_batch(n=32)))
+            state = opt.init(params, jax.random.key(7), batch)
+            for i in range(3):
+                params, state, stats = opt.step(params, state, jax.random.key(i), batch)
+        runs.append(jax.device_get((params, stats["grad_norm"], stats["update_norm"])))
+    jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-10), *runs)
+    assert float(runs[0][1]) > 0
+
+
 def test_a_non_finite_step_keeps_the_sharded_state_bit_for_bit():
     opt, params, state, _, _ = _sharded(True)
     with jax.enable_x64(True):
