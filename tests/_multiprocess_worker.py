@@ -34,8 +34,10 @@ from test_optimizer import ADAPTIVE, mlp_loss
 import kfacx
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "multiprocess.py"
-#: ``sharded_state``: the sharded jit with ``shard_curvature_state=True``.
-PLACEMENTS = ("mesh", "shard_map", "pmap", "sharded_state")
+#: ``sharded_state``: the sharded jit with ``shard_curvature_state=True``;
+#: ``sharded_shard_map``: shard_map with it (statistics and gradients reduce-scattered).
+PLACEMENTS = ("mesh", "shard_map", "pmap", "sharded_state", "sharded_shard_map")
+SHARDED = ("sharded_state", "sharded_shard_map")
 STEPS = 10
 STATS = ("loss", "learning_rate", "momentum", "damping")
 OPTIONS = dict(
@@ -60,8 +62,8 @@ def optimizer(placement: str) -> kfacx.Optimizer:
     return kfacx.Optimizer(
         jax.value_and_grad(mlp_loss),
         mesh=mesh,
-        use_shard_map=placement == "shard_map",
-        shard_curvature_state=placement == "sharded_state",
+        use_shard_map=placement in ("shard_map", "sharded_shard_map"),
+        shard_curvature_state=placement in SHARDED,
         **OPTIONS,
     )
 
@@ -117,12 +119,12 @@ def main(process_id: int, num_processes: int, port: int, out: pathlib.Path) -> N
     results, checkpointer = {}, ocp.StandardCheckpointer()
     for placement in PLACEMENTS:
         opt, p, state, stats = train(placement, params, (inputs["x"], inputs["y"]))
-        sharded = placement == "sharded_state"
+        sharded = placement in SHARDED
         results.update(flat(placement, p, gathered(opt, state) if sharded else state, stats))
         # Mesh arrays are global (the sharded state's rows too); pmap's first copy is
         # local to each process, so it is saved as NumPy arrays (by the first process).
         tree = {"params": p, "state": state}
-        if placement != "shard_map":
+        if placement in ("mesh", "pmap", "sharded_state"):
             tree = jax.device_get(tree) if placement == "pmap" else tree
             checkpointer.save(out / f"ckpt_{placement}", tree)
     checkpointer.wait_until_finished()

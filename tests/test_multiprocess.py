@@ -1,8 +1,8 @@
 """Several processes (multi-controller JAX, as on several hosts): 2 processes of 2 CPU
 devices, joined with `jax.distributed` over gloo, each feeding only its own rows, take
 the steps of this process with 4 devices, under the sharded jit, shard_map and pmap,
-and with the curvature state sharded over the devices of both processes; their orbax
-checkpoints restore in one process.
+and with the curvature state sharded over the devices of both processes (sharded jit
+and shard_map); their orbax checkpoints restore in one process.
 
 The two processes run tests/_multiprocess_worker.py once for all the checks, and
 then the training of examples/multiprocess.py.
