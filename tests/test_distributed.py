@@ -225,6 +225,9 @@ KWARGS = dict(
     l2_reg=1e-3,
     estimation_mode="ggn_exact",  # No sampling, so the placements can agree exactly.
     inverse_update_period=3,
+    # Statistics on every other step: their reduction over the devices runs in the
+    # update's branch only, and the placements must still equal one device.
+    curvature_update_period=2,
     num_burnin_steps=2,
     **ADAPTIVE,
 )
@@ -289,7 +292,9 @@ def test_placements_equal_single_device_after_10_steps_float64(placement):
         (got_params, got_state),
     )
     for key in ("loss", "learning_rate", "momentum", "damping"):
-        np.testing.assert_allclose(got_stats[key], want_stats[key], rtol=1e-9)
+        # float32 stats (learning rate, momentum, damping) to about one rounding.
+        rtol = 1e-9 if want_stats[key].dtype == np.float64 else 2e-7
+        np.testing.assert_allclose(got_stats[key], want_stats[key], rtol=rtol)
     assert int(got_state.data_seen) == 10 * 32
     # The step moved the parameters a fair way (the comparison is not vacuous).
     moved = float(jnp.max(jnp.abs(want_params["w1"] - make_params()["w1"])))
