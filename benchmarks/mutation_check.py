@@ -38,14 +38,19 @@ MUTATIONS = (
         "kfacx/linalg/_damping.py",
         "return jnp.maximum(jnp.asarray(info.eps, trace.dtype) * trace, floor)",
         "return jnp.zeros_like(trace)",
-        ("tests/test_linalg.py", "tests/blocks/test_robustness.py"),
+        (
+            "tests/test_linalg.py",
+            "tests/test_linalg_robustness.py",
+            "tests/test_linalg_batched.py",
+            "tests/blocks/test_robustness.py",
+        ),
     ),
     Mutation(
         "inverse ignores the damping",
         "kfacx/linalg/_inverse.py",
         "        return _floored_inverse(m, d).astype(dtype)",
         "        return _floored_inverse(m, d * 0 + d.dtype.type(1e-6)).astype(dtype)",
-        ("tests/test_linalg.py",),
+        ("tests/test_linalg.py", "tests/test_linalg_robustness.py", "tests/test_linalg_batched.py"),
     ),
     Mutation(
         "Levenberg-Marquardt rule inverted",
@@ -73,7 +78,13 @@ MUTATIONS = (
         "kfacx/_statistics.py",
         "old = jnp.where(c < 1, 1 - c * (1 - ema_old), ema_old)",
         "old = ema_old",
-        ("tests/test_control_flow.py", "tests/test_estimator.py"),
+        (
+            "tests/test_control_flow.py",
+            "tests/test_estimator.py",
+            "tests/test_estimator_products.py",
+            "tests/test_estimator_blocks.py",
+            "tests/test_estimator_errors.py",
+        ),
     ),
     Mutation(
         "scan fold order",
@@ -87,7 +98,11 @@ MUTATIONS = (
         "kfacx/_jaxpr/_sites.py",
         'reverse=params["reverse"],',
         "reverse=False,",
-        ("tests/test_tracer.py", "tests/graph_matcher/test_scan.py"),
+        (
+            "tests/test_tracer.py",
+            "tests/graph_matcher/test_scan.py",
+            "tests/graph_matcher/test_scan_unsupported.py",
+        ),
     ),
     Mutation(
         "cond: untaken branch counted as taken",
@@ -115,7 +130,11 @@ MUTATIONS = (
         "kfacx/transform.py",
         "jnp.asarray(damping_fn(state.count)),",
         "jnp.asarray(damping_fn(0)),",
-        ("tests/test_optax.py",),
+        (
+            "tests/test_optax.py",
+            "tests/test_optax_microbatches.py",
+            "tests/test_optax_multidevice.py",
+        ),
     ),
 )
 

@@ -7,6 +7,10 @@ applies one layer at every step, whose steps are folded into the batch axis like
 weights. Every model is compared, in float64, with the same model unrolled by a Python
 loop (separate layers, or tied uses), which kfacx serves without any scan: the tagged
 function, the report, the dense curvature and its inverse products must agree.
+
+Unsupported scans (nested stacking, mixed parameters, while loops) are tested in
+tests/graph_matcher/test_scan_unsupported.py; the models and cached estimates live in
+tests/graph_matcher/_scan_cases.py.
 """
 
 from __future__ import annotations
@@ -24,171 +28,32 @@ from jax.flatten_util import ravel_pytree
 
 import kfacx
 
-D_IN, WIDTH, DEPTH, D_OUT, BATCH, TIME = 3, 5, 3, 2, 4, 4
-KEY = jax.random.PRNGKey(0)
-DAMPING = 0.1
-DENSE_KF = "DenseTwoKroneckerFactored"
-
-
-@pytest.fixture(autouse=True)
-def x64():
-    with jax.enable_x64(True):
-        yield
-
-
-def f64(tree):
-    return jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float64), tree)
-
-
-def assert_close(got, want, rtol=1e-9):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    assert got.shape == want.shape
-    assert np.abs(want).max() > 0
-    np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * np.abs(want).max())
-
-
-def assert_trees_close(a, b, rtol=1e-9):
-    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
-    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
-        assert_close(x, y, rtol)
-
-
-# ----------------------------------------------------------------------------- problems
-
-
-def stacked_problem(seed: int = 0):
-    params = f64(TM.init_stacked_mlp(D_IN, WIDTH, DEPTH, D_OUT, seed))
-    rng = np.random.default_rng(seed + 1)
-    batch = (rng.standard_normal((BATCH, D_IN)), rng.standard_normal((BATCH, D_OUT)))
-    return params, f64(batch)
-
-
-def rnn_problem(seed: int = 0):
-    params = f64(TM.init_rnn(D_IN, WIDTH, D_OUT, seed))
-    rng = np.random.default_rng(seed + 1)
-    batch = (rng.standard_normal((BATCH, TIME, D_IN)), rng.standard_normal((BATCH, D_OUT)))
-    return params, f64(batch)
-
-
-def haiku_problem(seed: int = 0):
-    model = TM.haiku_layer_stack_mlp(WIDTH, DEPTH, D_OUT)
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((BATCH, D_IN))
-    shapes = jax.eval_shape(model.init, KEY, x)
-    params = jax.tree_util.tree_map(lambda s: 0.5 * rng.standard_normal(s.shape), shapes)
-    return model, f64(params), f64((x, rng.standard_normal((BATCH, D_OUT))))
-
-
-# name -> (scan logits, unrolled logits, params -> unrolled params, problem)
-MODELS = {
-    "stacked": (TM.stacked_mlp_logits, TM.unrolled_mlp_logits, TM.unstack_mlp, stacked_problem),
-    "rnn": (TM.rnn_logits, TM.unrolled_rnn_logits, lambda p: p, rnn_problem),
-}
-
-
-def losses(name: str, variant: str = "plain", tag: bool = False):
-    """``(scan loss, unrolled loss, to_unrolled, args)`` of a model."""
-    scan_logits, loop_logits, to_unrolled, problem = MODELS[name]
-    scan = _loss(scan_logits, variant, tag)
-    loop = _loss(loop_logits, _loop_variant(variant), tag)
-    return scan, loop, to_unrolled, problem()
-
-
-def _loop_variant(variant: str) -> str:
-    # Unrolled, a jitted or checkpointed body is the plain loop.
-    return "reverse" if variant == "reverse" else "plain"
-
-
-@functools.cache
-def _loss(logits, variant, tag):
-    # Cached: the estimator's trace cache is keyed on the function.
-    return TM.loss_of_logits(logits, variant=variant, tag=tag)
-
-
-def fast_jit(fun, **kwargs):
-    """`jax.jit` with cheap XLA optimisation: compile time dominates these small programs."""
-    return jax.jit(fun, compiler_options={"xla_backend_optimization_level": 0}, **kwargs)
-
-
-def _both(transform, tagged, loss, args):
-    """``transform`` of ``tagged`` and of ``loss`` at ``args``: one compilation for both."""
-    return fast_jit(lambda *a: (transform(tagged)(*a), transform(loss)(*a)))(*args)
-
-
-def unrolled_positions(params, to_unrolled) -> np.ndarray:
-    """``perm`` with ``unrolled_flat = scan_flat[perm]`` (pytree-leaf order, row-major)."""
-    leaves, tree = jax.tree_util.tree_flatten(params)
-    offsets = np.cumsum([0] + [np.size(leaf) for leaf in leaves])
-    index = [
-        np.arange(o, o + np.size(leaf)).reshape(np.shape(leaf))
-        for o, leaf in zip(offsets, leaves, strict=False)
-    ]
-    unrolled = to_unrolled(jax.tree_util.tree_unflatten(tree, index))
-    return np.concatenate([np.ravel(a) for a in jax.tree_util.tree_leaves(unrolled)])
-
-
-def estimate(loss, args, mode="ggn_exact", auto=True, vector=None, ctors=None) -> dict:
-    """One jitted program: init, one update (ema 0, 1), the dense matrix and, given a
-    ``vector``, the cache and inverse products (exact cached; approximate cached and
-    fresh). No detection warning is allowed."""
-    est = kfacx.BlockDiagonalCurvature(
-        loss,
-        layer_tag_to_block_ctor=ctors,
-        default_estimation_mode=mode,
-        auto_register_tags=auto,
-        exact_powers_to_cache=(-1.0,),
-        approx_powers_to_cache=(-1.0,),
-    )
-
-    def run(args, vector):
-        state = est.init(KEY, args)
-        state = est.update_curvature_matrix_estimate(state, 0.0, 1.0, None, KEY, args)
-        products = {}
-        if vector is not None:
-            state = est.update_cache(state, DAMPING)
-            inverse = functools.partial(est.multiply_inverse, state, vector, DAMPING)
-            products = dict(
-                exact=inverse(exact_power=True, use_cached=True),
-                approx=inverse(use_cached=True),
-                approx_fresh=inverse(use_cached=False),
-            )
-        return est.to_dense_matrix(state), products
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        dense, products = fast_jit(run)(args, vector)
-    return dict(estimator=est, dense=np.asarray(dense), **products)
-
-
-# Hand-tagged models get full blocks for their dense layers: per-example gradients pair
-# every input row with its cotangent row (Kronecker factors do not see the pairing).
-FULL_DENSE = {"dense_tag": kfacx.blocks.Full}
-
-
-@functools.cache
-def model_estimates(name: str, variant: str, tag: bool = False, mode: str = "ggn_exact"):
-    """``(scan model's estimate, unrolled model's estimate, perm, vector)`` (cached)."""
-    scan_loss, loop_loss, to_unrolled, (params, batch) = losses(name, variant, tag)
-    products = variant == "plain" and not tag
-    v = random_like(params) if products else None
-    ctors = FULL_DENSE if tag else None
-    scan = estimate(scan_loss, (params, batch), mode, auto=not tag, vector=v, ctors=ctors)
-    loop = _loop_estimate(name, _loop_variant(variant), tag, mode, products)
-    return scan, loop, unrolled_positions(params, to_unrolled), v
-
-
-@functools.cache
-def _loop_estimate(name: str, variant: str, tag: bool, mode: str, products: bool):
-    _, loop_loss, to_unrolled, (params, batch) = losses(name, variant, tag)
-    v = to_unrolled(random_like(params)) if products else None
-    args = (to_unrolled(params), batch)
-    return estimate(loop_loss, args, mode, not tag, v, FULL_DENSE if tag else None)
-
-
-def random_like(tree, seed: int = 3):
-    rng = np.random.default_rng(seed)
-    return jax.tree_util.tree_map(lambda a: jnp.asarray(rng.standard_normal(np.shape(a))), tree)
-
+from ._scan_cases import (
+    BATCH,
+    D_IN,
+    D_OUT,
+    DAMPING,
+    DENSE_KF,
+    DEPTH,
+    FULL_DENSE,
+    KEY,
+    MODELS,
+    TIME,
+    WIDTH,
+    _both,
+    assert_close,
+    assert_trees_close,
+    estimate,
+    f64,
+    fast_jit,
+    haiku_problem,
+    losses,
+    model_estimates,
+    random_like,
+    stacked_problem,
+    unrolled_positions,
+    x64,  # noqa: F401  (autouse fixture)
+)
 
 # ----------------------------------------------------------------------------- detection
 
@@ -447,173 +312,6 @@ def test_layer_data_layout():
     assert wx["outputs_tangent"][0].shape == (2, TIME * BATCH, WIDTH)
     # Row block t of the folded inputs is step t's input (slice t of xs, also in reverse).
     assert_close(wx["inputs"][0].reshape(TIME, BATCH, D_IN), jnp.swapaxes(batch[0], 0, 1))
-
-
-# ----------------------------------------------------------------------------- unsupported
-
-
-def warned(*patterns: str):
-    """Records the warnings of a block; each pattern must match one of them."""
-    return _Warned(patterns)
-
-
-class _Warned(warnings.catch_warnings):
-    def __init__(self, patterns):
-        super().__init__(record=True)
-        self.patterns = patterns
-
-    def __enter__(self):
-        self.caught = super().__enter__()
-        warnings.simplefilter("always")
-        return self.caught
-
-    def __exit__(self, *exc):
-        super().__exit__(*exc)
-        if exc[0] is None:
-            messages = [str(w.message) for w in self.caught]
-            for pattern in self.patterns:
-                assert any(re.search(pattern, m) for m in messages), (pattern, messages)
-
-
-def _nested_loss(tag: bool):
-    def loss(params, batch):
-        x, t = batch
-
-        def inner(h, w):
-            y = jnp.tensordot(h, w, axes=1)
-            return jnp.tanh(kfacx.register_dense(y, h, w) if tag else y), None
-
-        h, _ = jax.lax.scan(lambda h, ws: jax.lax.scan(inner, h, ws), x, params["w"])
-        return TM.loss_of_logits(lambda p, h: jnp.tensordot(h, p["out"], axes=1))(params, (h, t))
-
-    return loss
-
-
-def _nested_problem():
-    rng = np.random.default_rng(0)
-    params = dict(w=rng.standard_normal((2, DEPTH, WIDTH, WIDTH)) / 3)
-    params["out"] = rng.standard_normal((WIDTH, D_OUT))
-    return f64(params), f64((rng.standard_normal((BATCH, WIDTH)), np.ones((BATCH, D_OUT))))
-
-
-def test_two_levels_of_stacking_raise_or_fall_back():
-    """Nested scans that both run over a weight ``[2, DEPTH, ...]`` (layers within layers)
-    are served by neither a stacked block nor folding; nested scans that close over the
-    parameters at one level are (tests/test_nested_scans.py)."""
-    args = _nested_problem()
-    with pytest.raises(ValueError, match=r"dense_tag\[w\] sits in nested `scan`s that both run"):
-        kfacx.BlockDiagonalCurvature(_nested_loss(True), auto_register_tags=False).init(KEY, args)
-    loss = _nested_loss(False)
-    with warned(r"two levels of stacking.*\['w'\]", r"no layer pattern matched.*\['w'\]"):
-        tagged, report = kfacx.auto_register_tags(loss, args)
-    assert report.unmatched == ("w",)
-    assert {e.path: e.tag for e in report.entries} == {"w": "generic_tag", "out": "dense_tag"}
-    assert_trees_close(*_both(jax.grad, tagged, loss, args))
-    est = kfacx.BlockDiagonalCurvature(loss)
-    with warned("two levels", r"no layer pattern matched.*\['w'\]"):
-        est.init(KEY, args)
-    assert [b.block_name for b in est.blocks] == ["Diagonal", DENSE_KF]
-
-
-def _mixed_loss(tag: bool):
-    """A dense layer in a scan whose weight is scanned over but whose bias is closed over."""
-
-    def loss(params, batch):
-        x, t = batch
-
-        def body(h, w):
-            y = TM.dense(h, w, params["b"])
-            return jnp.tanh(kfacx.register_dense(y, h, w, params["b"]) if tag else y), None
-
-        h, _ = jax.lax.scan(body, x, params["w"])
-        return TM.loss_of_logits(lambda p, h: h)(params, (h, t))
-
-    return loss
-
-
-def test_mixed_stacked_and_shared_parameters_raise_or_are_split():
-    rng = np.random.default_rng(0)
-    params = f64(dict(w=rng.standard_normal((DEPTH, WIDTH, WIDTH)) / 3, b=np.ones(WIDTH)))
-    args = (params, f64((rng.standard_normal((BATCH, WIDTH)), np.ones((BATCH, WIDTH)))))
-    est = kfacx.BlockDiagonalCurvature(_mixed_loss(True), auto_register_tags=False)
-    with pytest.raises(ValueError, match=r"\['w'\] as scanned-over.*\['b'\] as closed-over"):
-        est.init(KEY, args)
-    # Detection does not tag it as one layer: the weight and the bias become two layers.
-    loss = _mixed_loss(False)
-    with warned(r"runs over \(xs\).*closes over \(consts\).*'w'"):
-        tagged, report = kfacx.auto_register_tags(loss, args)
-    got = {e.path: (e.tag, e.source, e.stack_size, e.uses) for e in report.entries}
-    assert got == {
-        "w": ("dense_tag", "dense", DEPTH, 1),
-        "b": ("scale_and_shift_tag", "shift", None, DEPTH),
-    }
-    assert_trees_close(*_both(jax.grad, tagged, loss, args))
-
-
-def test_tags_in_while_loop_raise_and_carried_parameters_fall_back():
-    params, (x, t) = stacked_problem()
-    w = params["hidden"]["w"][0]
-
-    def while_loss(params, batch):
-        def body(c):
-            i, h = c
-            return i + 1, jnp.tanh(kfacx.register_dense(jnp.tensordot(h, params, 1), h, params))
-
-        h = jax.lax.while_loop(lambda c: c[0] < 2, body, (0, batch[0]))[1]
-        return TM.loss_of_logits(lambda p, h: h)(params, (h, batch[1]))
-
-    batch = (jnp.ones((BATCH, WIDTH)), jnp.ones((BATCH, WIDTH)))
-    with pytest.raises(ValueError, match=r"inside a `while` primitive"):
-        kfacx.BlockDiagonalCurvature(while_loss, auto_register_tags=False).init(KEY, (w, batch))
-
-    def carry_loss(params, batch):
-        def body(c, _):
-            h, w = c
-            return (jnp.tanh(jnp.tensordot(h, w, 1)), 0.5 * w), None
-
-        (h, _), _ = jax.lax.scan(body, (batch[0], params["w"]), None, length=2)
-        return TM.loss_of_logits(lambda p, h: h)(params, (h, batch[1]))
-
-    with warned(r"as its carry.*\['w'\]", r"no layer pattern matched.*\['w'\]"):
-        tagged, report = kfacx.auto_register_tags(carry_loss, (dict(w=w), batch))
-    assert report.unmatched == ("w",)
-    assert_trees_close(*_both(jax.grad, tagged, carry_loss, (dict(w=w), batch)))
-
-
-def test_tagged_scan_body_constants_become_const_operands():
-    """A scan body holding constants (a `ClosedJaxpr` with consts) is rebound with the
-    constants as leading const operands of the scan."""
-    from kfacx.graph_matcher import _auto_register as AR
-
-    rng = np.random.default_rng(0)
-    mask, w = rng.standard_normal(WIDTH), f64(rng.standard_normal((DEPTH, WIDTH, WIDTH)) / 3)
-    x = f64(rng.standard_normal((BATCH, WIDTH)))
-
-    def f(w, x):
-        return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w + jnp.asarray(mask)[None]), None), x, w)
-
-    closed = jax.make_jaxpr(f)(w, x)
-    (eqn,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "scan"]
-    nc, body = eqn.params["num_consts"], eqn.params["jaxpr"]
-    assert nc == 1
-    # Move the const operand into the body's own consts.
-    values = dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
-    inner = body.jaxpr.replace(constvars=body.jaxpr.invars[:nc], invars=body.jaxpr.invars[nc:])
-    closed_body = jax.extend.core.ClosedJaxpr(inner, [values[v] for v in eqn.invars[:nc]])
-    eqn = eqn.replace(
-        invars=eqn.invars[nc:], params=dict(eqn.params, num_consts=0, jaxpr=closed_body)
-    )
-    want = kfacx._jaxpr.bind_eqn(eqn, [x, w])
-    origins = kfacx._jaxpr.scan_body_origins(eqn, [None, 0])
-    plan = AR._plan(inner, origins, list(kfacx.DEFAULT_GRAPH_PATTERNS), {}, [], True)
-    assert [m.stacked for m in plan.matches] == [True]
-    tagged = jax.make_jaxpr(lambda x, w: AR._rebind_scan(eqn, [x, w], plan))(x, w)
-    (scan,) = tagged.jaxpr.eqns
-    assert scan.params["num_consts"] == 1 and scan.params["jaxpr"].consts == []
-    assert kfacx._jaxpr.contains_tags(scan.params["jaxpr"].jaxpr)
-    got = jax.extend.core.jaxpr_as_fun(tagged)(x, w)
-    for g, v in zip(got, want, strict=True):
-        assert_close(g, v)
 
 
 # ----------------------------------------------------------------------------- masks
