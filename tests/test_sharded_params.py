@@ -72,7 +72,9 @@ def test_sharded_params_keep_their_sharding_and_take_the_replicated_steps(case):
         (want_params, want_state),
         jax.device_get((params, state)),
     )
-    np.testing.assert_allclose(stats["loss"], want_stats["loss"], rtol=1e-9)
+    # A float32 loss to about one rounding (test_distributed.py's placement comparison).
+    rtol = 1e-9 if want_stats["loss"].dtype == np.float64 else 2e-7
+    np.testing.assert_allclose(stats["loss"], want_stats["loss"], rtol=rtol)
 
 
 def test_replicated_params_compile_one_step_program():
