@@ -277,18 +277,27 @@ class Piece(NamedTuple):
     cost: float
 
 
+#: The smallest (padded) matrices whose buckets `pieces` cuts: each piece compiles a
+#: factorisation loop of its own, which costs more than the distribution saves for
+#: small matrices (a 256 x 256 Cholesky inverse takes about a millisecond on a CPU).
+MIN_CUT_SIZE = 512
+
+
 def pieces(refresh_plan: RefreshPlan, num_devices: int) -> list[Piece]:
     """The pieces of a refresh distributed over ``num_devices``, in unit order: a
-    bucket costing more than half a device's share (``1 / (2 num_devices)`` of the
-    whole refresh) is cut into pieces of consecutive matrices of at most about half a
-    share each (never more pieces than it has matrices), small enough for the owners'
-    loads to even out; every other unit is one piece."""
+    bucket of matrices of at least `MIN_CUT_SIZE` costing more than half a device's
+    share (``1 / (2 num_devices)`` of the whole refresh) is cut into pieces of
+    consecutive matrices of at most about half a share each (never more pieces than
+    it has matrices), small enough for the owners' loads to even out; every other
+    unit is one piece."""
     half_share = sum(refresh_plan.costs) / (2 * num_devices)
     out = []
     for unit, (cost, count) in enumerate(zip(refresh_plan.costs, refresh_plan.counts, strict=True)):
+        # A bucket's cost is count * size**3 (`plan`).
+        large = count and cost / count >= float(MIN_CUT_SIZE) ** 3
         k = (
             min(count, math.ceil(cost / half_share * (1 - 1e-9)))
-            if num_devices > 1 and half_share > 0
+            if num_devices > 1 and half_share > 0 and large
             else 1
         )
         if k <= 1:

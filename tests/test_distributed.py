@@ -95,16 +95,21 @@ def test_refresh_cost_and_block_owners_follow_the_factor_sizes(monkeypatch):
     # Dense blocks: (in + 1)^3 + out^3 (bias folded into the input factor).
     assert costs == [41.0**3 + 30.0**3, 31.0**3 + 6.0**3, 7.0**3 + 3.0**3]
     # Bucketed, all six factors (at most 41 x 41) share one 64 x 64 bucket, largest first
-    # (blocks 0 1 0 2 1 2). It is cut into pieces of at most half a device's share: on
-    # two devices 2, 1, 1, 2 factors (owners 0, 0, 1, 1), on four one each (owners
-    # 0, 1, 2, 3, 0, 1). A block in several pieces shows the owner of its largest.
+    # (blocks 0 1 0 2 1 2): one unit, too small to cut.
     plan = kfacx._refresh.abstract_plan(est.blocks, est._cache_spec)
     assert plan.unit_blocks == ((0, 1, 0, 2, 1, 2),)
+    whole = [kfacx._refresh.Piece(0, None, None, 6 * 64.0**3)]
+    assert kfacx._refresh.pieces(plan, 4) == whole
+    assert est.block_owners(2) == (0, 0, 0)
+    # Were it large, it would be cut into pieces of at most half a device's share: on two
+    # devices 2, 1, 1, 2 factors (owners 0, 0, 1, 1), on four one each (owners 0, 1, 2,
+    # 3, 0, 1). A block in several pieces shows the owner of its largest.
+    monkeypatch.setattr(kfacx._refresh, "MIN_CUT_SIZE", 64)
     assert [(p.lo, p.hi) for p in kfacx._refresh.pieces(plan, 2)] == [
         (0, 2), (2, 3), (3, 4), (4, 6)
     ]  # fmt: skip
     assert len(kfacx._refresh.pieces(plan, 4)) == 6
-    assert kfacx._refresh.pieces(plan, 1) == [kfacx._refresh.Piece(0, None, None, 6 * 64.0**3)]
+    assert kfacx._refresh.pieces(plan, 1) == whole
     assert est.block_owners(2) == (0, 0, 1)
     assert est.block_owners(4) == (0, 1, 3)
     # Each block refreshing itself: the largest block alone, the two others together.
@@ -117,7 +122,9 @@ def test_refresh_cost_and_block_owners_follow_the_factor_sizes(monkeypatch):
 
 
 @pytest.mark.parametrize("exact", [False, True])
-def test_distributed_refresh_is_bit_identical_to_serial(exact):
+def test_distributed_refresh_is_bit_identical_to_serial(exact, monkeypatch):
+    # The bucket of all six factors is cut into one piece per factor (as large ones are).
+    monkeypatch.setattr(kfacx._refresh, "MIN_CUT_SIZE", 1)
     est, state = _estimator_and_state(exact=exact)
     serial = jax.jit(est.update_cache)(state, 1e-2)
     replicated = kfacx.parallel.replicate_all_local_devices(state)

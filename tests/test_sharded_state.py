@@ -408,30 +408,24 @@ def test_a_large_stacked_block_is_cut_into_runs_of_slices_on_several_owners():
 # ----------------------------------------------------------------------------- pmap
 
 
-def _pmap_run(shard):
+def test_pmap_with_sharded_state_equals_replicated_and_keeps_one_row_per_device():
+    """Under pmap each device keeps its own rows; the 10 steps equal those of the
+    replicated state under shard_map (the same per-device batches and reductions)."""
+    want_params, want_state, _ = _replicated(True)
     with jax.enable_x64(True):
         params, batch = _x64((_params(), make_batch(n=32)))
         opt = kfacx.Optimizer(
-            jax.value_and_grad(_loss), multi_device=True, shard_curvature_state=shard, **KWARGS
+            jax.value_and_grad(_loss), multi_device=True, shard_curvature_state=True, **KWARGS
         )
         rep = kfacx.parallel.replicate_all_local_devices
         p, batch = rep(params), kfacx.parallel.shard_batch(batch)
         state = opt.init(p, rep(jax.random.key(7)), batch)
         for i in range(10):
             p, state, _ = opt.step(p, state, rep(jax.random.key(100 + i)), batch)
-        est = state.estimator_state
-        if shard:
-            est = kfacx.gather_estimator_state(opt.estimator, est)
-        else:
-            est = jax.tree.map(lambda x: x[0], est)
-        return jax.device_get((jax.tree.map(lambda x: x[0], p), est, state))
-
-
-def test_pmap_with_sharded_state_equals_replicated_and_keeps_one_row_per_device():
-    want_p, want_est, _ = _pmap_run(False)
-    p, est, state = _pmap_run(True)
+        est = kfacx.gather_estimator_state(opt.estimator, state.estimator_state)
     close = functools.partial(np.testing.assert_allclose, rtol=1e-10, atol=1e-12)
-    jax.tree.map(close, (want_p, want_est), (p, est))
+    first = jax.device_get(jax.tree.map(lambda x: x[0], p))
+    jax.tree.map(close, (want_params, want_state.estimator_state), (first, jax.device_get(est)))
     # Each device holds its own row: [devices, 1, length], no copy of the others'.
     for buffer in state.estimator_state.buffers:
         assert buffer.shape[:2] == (N, 1)
