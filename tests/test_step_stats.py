@@ -10,8 +10,8 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
+from _optimizer_cases import mlp_loss as loss_fn
 
 import kfacx
 
@@ -34,14 +34,6 @@ def docstring_fields() -> list[str]:
 
 
 # ----------------------------------------------------------------------------- a tiny model
-
-
-def loss_fn(params, batch):
-    x, y = batch
-    h = jnp.tanh(x @ params["w1"] + params["b1"][None, :])
-    logits = h @ params["w2"] + params["b2"][None, :]
-    kfacx.register_softmax_cross_entropy_loss(logits, y)
-    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, y))
 
 
 def loss_with_aux(params, batch):
