@@ -78,7 +78,7 @@ def _down(graph, var) -> tuple[Any, list[Any]] | None:
     chain = []
     while graph.origin.get(var) is None:
         eqn = graph.producer.get(var)
-        if eqn is None or eqn.primitive.name not in SHAPE_ONLY:
+        if eqn is None or eqn.primitive.name not in SHAPE_ONLY or not eqn.invars:
             break
         chain.append(eqn)
         var = eqn.invars[0]
@@ -155,7 +155,10 @@ def _map_expr(graph, eqn, step: tuple, leaves: list, eqns: list) -> tuple | None
 def _slice_box(eqn, var) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """``(starts, limits)`` of ``var``, a result of a unit-stride ``slice`` or a ``split``,
     in its operand; None for other equations."""
-    name, shape = eqn.primitive.name, eqn.invars[0].aval.shape
+    name = eqn.primitive.name
+    if name not in ("slice", "split"):
+        return None  # (iota, a constant, ...: no operand to be a box of)
+    shape = eqn.invars[0].aval.shape
     if name == "slice" and not any(s not in (None, 1) for s in eqn.params["strides"] or ()):
         return tuple(eqn.params["start_indices"]), tuple(eqn.params["limit_indices"])
     if name != "split":
