@@ -177,9 +177,15 @@ def check_step_values(**values: Any) -> None:
     for the device); a step with a bad `jax.Array` or traced value is skipped.
 
     Raises:
-      ValueError: naming the argument and the value.
+      ValueError: naming the argument and the value; also for a value that is not a
+        scalar (one value serves every device of a ``multi_device`` step).
     """
     for name, value in values.items():
+        if value is not None and np.ndim(value) != 0:
+            raise ValueError(
+                f"step({name}=...): {name} must be a scalar, got shape {np.shape(value)}. With "
+                "multi_device=True one value serves every device: pass it once, not replicated."
+            )
         if not isinstance(value, (int, float, np.ndarray, np.generic)):
             continue
         arr = np.asarray(value, np.float64)

@@ -41,7 +41,7 @@ from kfacx._jaxpr._origins import (
     slice_levels,
     tag_sites,
 )
-from kfacx._jaxpr._passes import dce, sink_invariants
+from kfacx._jaxpr._passes import dce, loss_ancestors, sink_invariants
 from kfacx._jaxpr._sites import OnTag, eval_jaxpr_sites
 
 __all__ = [
@@ -61,6 +61,7 @@ __all__ = [
     "contains_tags",
     "count_tag_sites",
     "dce",
+    "loss_ancestors",
     "eqns_with_origins",
     "eval_eqns",
     "eval_jaxpr",

@@ -16,6 +16,7 @@ from kfacx._jaxpr._interpret import (
     eval_jaxpr,
     is_scan,
     is_tag_eqn,
+    sub_jaxprs,
 )
 
 # Cheap single-operand shape operations that JAX hoists out of a scan body as
@@ -317,3 +318,38 @@ def _prune_call(eqn: JaxprEqn, used: Sequence[bool]) -> JaxprEqn:
             params[name] = tuple(x for x, u in zip(params[name], used, strict=True) if u)
     outvars = [v for v, u in zip(eqn.outvars, used, strict=True) if u]
     return eqn.replace(params=params, outvars=outvars)
+
+
+def _holds_loss_tag(eqn: JaxprEqn) -> bool:
+    from kfacx import tags
+
+    if tags.loss_tag_for(eqn.primitive) is not None:
+        return True
+    return any(any(map(_holds_loss_tag, sub.eqns)) for sub in sub_jaxprs(eqn))
+
+
+def loss_ancestors(closed: jex.core.ClosedJaxpr) -> jex.core.ClosedJaxpr:
+    """The equations the registered losses depend on: those holding a loss tag (also in a
+    body or branch) and, transitively, the producers of their operands (the same
+    equation objects, in order). The jaxpr's outputs are kept where they are still
+    defined. Without any loss tag, ``closed`` as it is.
+
+    Detection looks for layers here only: the curvature of the registered losses flows
+    through these equations alone. A parameter also used elsewhere (FermiNet's network
+    weights, also used in the local energy's Laplacian beside the wavefunction whose
+    distribution is registered) is a layer only where it feeds the losses, as in kfac-jax,
+    which traces the losses' computation alone.
+    """
+    jaxpr = closed.jaxpr
+    needed: set[Any] = set()
+    kept: list[JaxprEqn] = []
+    for eqn in reversed(jaxpr.eqns):
+        if _holds_loss_tag(eqn) or any(v in needed for v in eqn.outvars):
+            kept.append(eqn)
+            needed.update(v for v in eqn.invars if not isinstance(v, jex.core.Literal))
+    if not any(map(_holds_loss_tag, kept)) or len(kept) == len(jaxpr.eqns):
+        return closed
+    kept.reverse()
+    defined = {*jaxpr.invars, *jaxpr.constvars, *(v for e in kept for v in e.outvars)}
+    outvars = [v for v in jaxpr.outvars if isinstance(v, jex.core.Literal) or v in defined]
+    return jex.core.ClosedJaxpr(jaxpr.replace(eqns=kept, outvars=outvars), closed.consts)

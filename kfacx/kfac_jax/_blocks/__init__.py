@@ -1,0 +1,3 @@
+"""kfac-jax's curvature-block protocol (`CurvatureBlock`, `KroneckerFactored`, ...), for
+blocks written against kfac-jax, and their hosting inside kfacx's estimator
+(`HostedBlock`)."""

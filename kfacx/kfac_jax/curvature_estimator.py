@@ -1,0 +1,137 @@
+"""``kfac_jax.curvature_estimator``: the default block of each layer variant, and the
+estimator, in kfac-jax's terms.
+
+kfac-jax keys blocks by layer *variant* (``"dense"``, ``"conv2d"``, ``"generic"``, ...)
+and keeps a process-wide default table that extensions edit with
+`set_default_tag_to_block_ctor` (FermiNet maps ``"repeated_dense"`` to its block
+there). `kfacx_block_ctors` turns that table, with a user's ``layer_tag_to_block_ctor``
+on top, into kfacx's (tag name -> kfacx block factory).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from kfacx import estimator as _estimator
+from kfacx.kfac_jax import curvature_blocks as _cb
+from kfacx.kfac_jax._unsupported import unsupported_class
+from kfacx.kfac_jax.layers_and_loss_tags import kfacx_tag_name
+
+__all__ = [
+    "BlockDiagonalCurvature",
+    "CurvatureEstimator",
+    "ExplicitExactCurvature",
+    "ImplicitExactCurvature",
+    "OptaxPreconditionState",
+    "OptaxPreconditioner",
+    "get_default_tag_to_block_ctor",
+    "kfacx_block_ctors",
+    "set_default_tag_to_block_ctor",
+    "set_multi_default_tag_to_block_ctor",
+]
+
+_DEFAULT_TAG_TO_BLOCK_CTOR: dict[str, Any] = dict(
+    dense=_cb.DenseTwoKroneckerFactored,
+    conv2d=_cb.Conv2DTwoKroneckerFactored,
+    generic=_cb.NaiveDiagonal,
+    scale_and_shift=_cb.ScaleAndShiftDiagonal,
+    repeated_dense=_cb.RepeatedDenseKroneckerFactored,
+)
+
+
+def _check_name(tag_name: str) -> None:
+    if not isinstance(tag_name, str):
+        raise TypeError(f"A layer variant must be a string, got {tag_name!r}.")
+    if tag_name.endswith("_tag"):
+        raise ValueError(
+            f"{tag_name!r}: kfac-jax's default table is keyed by layer variant, without the "
+            "'_tag' suffix (e.g. 'dense'); kfacx tag names go to kfacx.Optimizer's "
+            "layer_tag_to_block_ctor."
+        )
+
+
+def get_default_tag_to_block_ctor(tag_name: str) -> Any:
+    """The default block of a layer variant (None if it has none)."""
+    _check_name(tag_name)
+    return _DEFAULT_TAG_TO_BLOCK_CTOR.get(tag_name)
+
+
+def set_default_tag_to_block_ctor(tag_name: str, block_ctor: Any) -> None:
+    """Sets the default block of a layer variant, for every optimizer made afterwards.
+
+    Raises:
+      TypeError: if ``block_ctor`` is not callable.
+    """
+    _check_name(tag_name)
+    if not callable(block_ctor):
+        raise TypeError(
+            f"set_default_tag_to_block_ctor({tag_name!r}, ...): the block must be a class or "
+            f"factory, got {block_ctor!r}."
+        )
+    _DEFAULT_TAG_TO_BLOCK_CTOR[tag_name] = block_ctor
+
+
+def set_multi_default_tag_to_block_ctor(tags_to_block_ctor: Mapping[str, Any]) -> None:
+    """`set_default_tag_to_block_ctor` for several variants."""
+    for name, ctor in tags_to_block_ctor.items():
+        set_default_tag_to_block_ctor(name, ctor)
+
+
+def kfacx_block_ctors(
+    layer_tag_to_block_ctor: Mapping[str, Any] | None,
+) -> dict[str, Callable[..., Any]]:
+    """kfacx's ``layer_tag_to_block_ctor`` for the default table plus the given one (keyed
+    by variant, or by kfacx tag name when a key ends with ``_tag``)."""
+    merged = {**_DEFAULT_TAG_TO_BLOCK_CTOR, **dict(layer_tag_to_block_ctor or {})}
+    out = {}
+    for name, ctor in merged.items():
+        key = name if name.endswith("_tag") else kfacx_tag_name(name)
+        out[key] = _cb.kfacx_block_ctor(ctor)
+    return out
+
+
+class BlockDiagonalCurvature(_estimator.BlockDiagonalCurvature):
+    """`kfacx.BlockDiagonalCurvature` taking kfac-jax's ``layer_tag_to_block_ctor`` (keyed by
+    variant, with kfac-jax block classes) and its detection keywords."""
+
+    def __init__(
+        self,
+        func: Callable[..., Any],
+        default_estimation_mode: str = "fisher_gradients",
+        params_index: int = 0,
+        layer_tag_to_block_ctor: Mapping[str, Any] | None = None,
+        auto_register_tags: bool = True,
+        num_samples: int = 1,
+        norm_to_scale_identity_weight_per_block: str | None = None,
+        **auto_register_kwargs: Any,
+    ):
+        from kfacx.kfac_jax.tag_graph_matcher import detection_kwargs
+
+        super().__init__(
+            func,
+            params_index=params_index,
+            layer_tag_to_block_ctor=kfacx_block_ctors(layer_tag_to_block_ctor),
+            default_estimation_mode=default_estimation_mode,
+            num_samples=num_samples,
+            auto_register_tags=auto_register_tags,
+            auto_register_kwargs=detection_kwargs(auto_register_kwargs),
+            norm_to_scale_identity_weight_per_block=norm_to_scale_identity_weight_per_block,
+        )
+
+
+_ESTIMATOR = "use kfacx.BlockDiagonalCurvature (kfacx.kfac_jax.BlockDiagonalCurvature)"
+CurvatureEstimator = unsupported_class("CurvatureEstimator", _ESTIMATOR)
+ExplicitExactCurvature = unsupported_class(
+    "ExplicitExactCurvature", "compute the exact curvature with jax.hessian or jax.jacfwd"
+)
+ImplicitExactCurvature = unsupported_class(
+    "ImplicitExactCurvature",
+    "use jax.jvp / jax.vjp products of the loss (Gauss-Newton: jvp of vjp)",
+)
+OptaxPreconditioner = unsupported_class(
+    "OptaxPreconditioner", "use kfacx.scale_by_kfac, an optax transformation"
+)
+OptaxPreconditionState = unsupported_class(
+    "OptaxPreconditionState", "kfacx.scale_by_kfac's state is kfacx.ScaleByKfacState"
+)
