@@ -123,11 +123,15 @@ class BlockDiagonalCurvature(_estimator.BlockDiagonalCurvature):
 _ESTIMATOR = "use kfacx.BlockDiagonalCurvature (kfacx.kfac_jax.BlockDiagonalCurvature)"
 CurvatureEstimator = unsupported_class("CurvatureEstimator", _ESTIMATOR)
 ExplicitExactCurvature = unsupported_class(
-    "ExplicitExactCurvature", "compute the exact curvature with jax.hessian or jax.jacfwd"
+    "ExplicitExactCurvature",
+    "kfacx.BlockDiagonalCurvature with estimation_mode='ggn_exact' and kfacx.Full blocks "
+    "(layer_tag_to_block_ctor) gives the exact block-diagonal curvature; jax.hessian the "
+    "whole matrix",
 )
 ImplicitExactCurvature = unsupported_class(
     "ImplicitExactCurvature",
-    "use jax.jvp / jax.vjp products of the loss (Gauss-Newton: jvp of vjp)",
+    "kfacx.BlockDiagonalCurvature.linearized_losses gives the exact Gauss-Newton products "
+    "(jvp of the network, the loss's Hessian, vjp)",
 )
 OptaxPreconditioner = unsupported_class(
     "OptaxPreconditioner", "use kfacx.scale_by_kfac, an optax transformation"

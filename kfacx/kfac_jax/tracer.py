@@ -8,7 +8,7 @@ which take the function and its arguments as kfac-jax's do; what they return is 
 from __future__ import annotations
 
 import dataclasses
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import jax
 
@@ -32,10 +32,15 @@ __all__ = [
 @dataclasses.dataclass
 class LayerVjpData(Generic[T]):
     """A layer's primal values (``primals.inputs``, ``.outputs``, ``.params``) and the
-    gradients of its outputs (``tangents.outputs``), as a kfac-jax block receives them."""
+    gradients of its outputs (``tangents.outputs``), as a kfac-jax block receives them.
+
+    ``example_mask`` (kfacx's addition; None without padding) weighs the examples, 0 for
+    padding: the inputs of padded examples are zero already, and kfac-jax's dense blocks
+    here also weigh the bias's column of ones by it."""
 
     primals: LayerData[T]
     tangents: LayerData[T]
+    example_mask: Any = None
 
 
 ProcessedJaxpr = unsupported_class(

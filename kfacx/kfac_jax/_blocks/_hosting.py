@@ -17,9 +17,9 @@ The estimation modes' output gradients arrive as kfac-jax's estimator hands them
 its blocks: one `LayerVjpData` per sampled or exact direction ``k`` of ``K``, scaled
 by ``sqrt(K)``, averaged (so statistics of the gradients are summed over directions and
 those of the inputs averaged). With a padding mask the inputs of padded examples are
-zeroed before the block sees them (their output gradients are zero already), and
-``batch_size`` is the number of real examples as an array; without padding it is a
-Python int, as kfac-jax passes it.
+zeroed before the block sees them (their output gradients are zero already); the block
+gets the number of rows as its Python-int ``batch_size``, as kfac-jax passes it, and its
+statistics are rescaled to kfacx's normalisation by the real examples.
 
 Limits: state that the statistics update changes must be moving averages of arrays
 (anything else is treated as cache and not updated by it); ``tangents.params`` and
@@ -140,10 +140,11 @@ class HostedBlock(_kfacx_blocks.CurvatureBlock):
         )
         tangents = tuple(estimation_data["outputs_tangent"])
         num = tangents[0].shape[0]
-        if "mask" not in estimation_data:
-            # kfac-jax hands its blocks the batch size as a Python int (blocks check shapes
-            # against it); without padding it is the rows per use of the layer.
-            batch_size = primals.outputs[0].shape[0] // max(1, self.layer.num_uses)
+        # kfac-jax hands its blocks the batch size as a Python int (blocks check shapes
+        # against it): the rows per use of the layer. With padding kfacx normalises by the
+        # real examples instead; the statistics (all over the batch size) are rescaled.
+        rows = primals.outputs[0].shape[0] // max(1, self.layer.num_uses)
+        rescale = None if "mask" not in estimation_data else rows / batch_size
         zero = _kfacx_blocks.BlockState(
             tuple(
                 _kfacx_blocks.WeightedMovingAverage.zeros(s, self.dtype)
@@ -154,16 +155,19 @@ class HostedBlock(_kfacx_blocks.CurvatureBlock):
 
         def one(direction):
             data = LayerVjpData(
-                primals=primals, tangents=LayerData(inputs=(), outputs=direction, params=())
+                primals=primals,
+                tangents=LayerData(inputs=(), outputs=direction, params=()),
+                example_mask=estimation_data.get("mask"),
             )
             state = self.hosted.update_curvature_matrix_estimate(
-                self._join(zero), data, 0.0, 1.0, 0.0, batch_size
+                self._join(zero), data, 0.0, 1.0, 0.0, rows
             )
             leaves = jax.tree_util.tree_leaves(state, is_leaf=_is_average)
             return tuple(jnp.asarray(x.value, self.dtype) for x in leaves if _is_average(x))
 
         scaled = tuple(t * jnp.sqrt(jnp.asarray(num, t.dtype)) for t in tangents)
-        return tuple(jnp.mean(s, axis=0) for s in jax.vmap(one)(scaled))
+        stats = tuple(jnp.mean(s, axis=0) for s in jax.vmap(one)(scaled))
+        return stats if rescale is None else tuple(s * rescale.astype(s.dtype) for s in stats)
 
     def _zero_cache(self) -> tuple:
         state = jax.eval_shape(lambda: self.hosted.init(jax.random.PRNGKey(0), *self._spec))

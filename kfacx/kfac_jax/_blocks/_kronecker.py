@@ -227,8 +227,14 @@ def _check_approx_power(power: float, allowed: Sequence[float]) -> None:
         )
 
 
-def _with_ones_column(x: Any) -> Any:
-    return jnp.concatenate([x, jnp.ones_like(x[:, :1])], axis=1)
+def _with_ones_column(x: Any, estimation_data: Any) -> Any:
+    """``x`` with a column of ones (the bias's input), weighted by the example mask when
+    there is one (its examples' rows repeated as ``x`` has rows per example)."""
+    ones = jnp.ones_like(x[:, :1])
+    mask = getattr(estimation_data, "example_mask", None)
+    if mask is not None and x.shape[0] % mask.shape[0] == 0:
+        ones = jnp.repeat(mask, x.shape[0] // mask.shape[0]).astype(x.dtype)[:, None]
+    return jnp.concatenate([x, ones], axis=1)
 
 
 class DenseTwoKroneckerFactored(KroneckerFactored):
@@ -250,7 +256,7 @@ class DenseTwoKroneckerFactored(KroneckerFactored):
                 f"lead with the batch size {batch_size}."
             )
         if self.number_of_parameters == 2:
-            x = _with_ones_column(x)
+            x = _with_ones_column(x, estimation_data)
         state.factors[0].update(jnp.einsum("ay,az->yz", x, x) / batch_size, ema_old, ema_new)
         state.factors[1].update(jnp.einsum("ay,az->yz", dy, dy) / batch_size, ema_old, ema_new)
         return state
@@ -309,7 +315,7 @@ class RepeatedDenseKroneckerFactored(DenseTwoKroneckerFactored):
         x = x.reshape([-1, x.shape[-1]])
         dy = dy.reshape([-1, dy.shape[-1]])
         if self.number_of_parameters == 2:
-            x = _with_ones_column(x)
+            x = _with_ones_column(x, estimation_data)
         state.factors[0].update(jnp.einsum("ay,az->yz", x, x) / batch_size, ema_old, ema_new)
         state.factors[1].update(jnp.einsum("ay,az->yz", dy, dy) / batch_size, ema_old, ema_new)
         state.average_repeats.update(total / batch_size, ema_old, ema_new)
