@@ -92,8 +92,9 @@ def kfacx_block_ctors(
 
 
 class BlockDiagonalCurvature(_estimator.BlockDiagonalCurvature):
-    """`kfacx.BlockDiagonalCurvature` taking kfac-jax's ``layer_tag_to_block_ctor`` (keyed by
-    variant, with kfac-jax block classes) and its detection keywords."""
+    """`kfacx.BlockDiagonalCurvature` with kfac-jax's signatures: the block table keyed by
+    variant (kfac-jax block classes), the cached powers given to `init`, and the
+    ``identity_weight`` / ``pmap_axis_name`` arguments kfac-jax's methods take."""
 
     def __init__(
         self,
@@ -108,6 +109,9 @@ class BlockDiagonalCurvature(_estimator.BlockDiagonalCurvature):
     ):
         from kfacx.kfac_jax.tag_graph_matcher import detection_kwargs
 
+        for name in ("index_to_block_ctor", "distributed_multiplies", "distributed_cache_updates"):
+            auto_register_kwargs.pop(name, None)
+        auto_register_kwargs.pop("should_vmap_samples", None)
         super().__init__(
             func,
             params_index=params_index,
@@ -117,6 +121,104 @@ class BlockDiagonalCurvature(_estimator.BlockDiagonalCurvature):
             auto_register_tags=auto_register_tags,
             auto_register_kwargs=detection_kwargs(auto_register_kwargs),
             norm_to_scale_identity_weight_per_block=norm_to_scale_identity_weight_per_block,
+        )
+
+    def init(
+        self,
+        rng: Any,
+        func_args: Any,
+        exact_powers_to_cache: Any = None,
+        approx_powers_to_cache: Any = None,
+        cache_eigenvalues: bool = False,
+    ) -> Any:
+        """kfac-jax's ``init``: the powers to cache are given here."""
+        from kfacx.kfac_jax._blocks._block import to_real_set
+
+        self._cache_spec = (
+            tuple(sorted(to_real_set(exact_powers_to_cache))),
+            tuple(sorted(to_real_set(approx_powers_to_cache))),
+            bool(cache_eigenvalues),
+        )
+        return super().init(rng, func_args)
+
+    def update_curvature_matrix_estimate(
+        self,
+        state: Any,
+        ema_old: Any,
+        ema_new: Any,
+        identity_weight: Any,
+        batch_size: Any,
+        rng: Any,
+        func_args: Any,
+        estimation_mode: str | None = None,
+        pmap_axis_name: str | None = None,
+    ) -> Any:
+        """kfac-jax's argument order (``identity_weight`` is not used by the statistics)."""
+        del identity_weight
+        return super().update_curvature_matrix_estimate(
+            state, ema_old, ema_new, batch_size, rng, func_args, estimation_mode, pmap_axis_name
+        )
+
+    def update_cache(
+        self,
+        state: Any,
+        identity_weight: Any,
+        exact_powers: Any = None,
+        approx_powers: Any = None,
+        eigenvalues: bool = False,
+        pmap_axis_name: str | None = None,
+        norm_to_scale_identity_weight_per_block: str | None = None,
+    ) -> Any:
+        """Refreshes what `init` asked to cache (kfac-jax's powers arguments are taken for
+        its signature; the cached powers are `init`'s)."""
+        del exact_powers, approx_powers, eigenvalues, norm_to_scale_identity_weight_per_block
+        return super().update_cache(state, identity_weight, pmap_axis_name)
+
+    def multiply_matpower(
+        self,
+        state: Any,
+        parameter_structured_vector: Any,
+        identity_weight: Any,
+        power: Any,
+        exact_power: bool = False,
+        use_cached: bool = False,
+        pmap_axis_name: str | None = None,
+        norm_to_scale_identity_weight_per_block: str | None = None,
+    ) -> Any:
+        """``(C + identity_weight I)^power v`` (kfac-jax's signature)."""
+        del pmap_axis_name, norm_to_scale_identity_weight_per_block
+        return super().multiply_matpower(
+            state, parameter_structured_vector, identity_weight, power, exact_power, use_cached
+        )
+
+    def multiply(
+        self,
+        state,
+        parameter_structured_vector,
+        identity_weight,
+        exact_power=False,
+        use_cached=False,
+        pmap_axis_name=None,
+        norm_to_scale_identity_weight_per_block=None,
+    ):
+        """``(C + identity_weight I) v``."""
+        return self.multiply_matpower(
+            state, parameter_structured_vector, identity_weight, 1, exact_power, use_cached
+        )
+
+    def multiply_inverse(
+        self,
+        state,
+        parameter_structured_vector,
+        identity_weight,
+        exact_power=False,
+        use_cached=False,
+        pmap_axis_name=None,
+        norm_to_scale_identity_weight_per_block=None,
+    ):
+        """``(C + identity_weight I)^-1 v``."""
+        return self.multiply_matpower(
+            state, parameter_structured_vector, identity_weight, -1, exact_power, use_cached
         )
 
 
