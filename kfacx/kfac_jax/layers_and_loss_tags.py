@@ -192,6 +192,10 @@ def register_conv2d(y, x, w, b=None, variant: str = "conv2d", **kwargs: Any) -> 
             f"register_conv2d(variant={variant!r}): kfacx.kfac_jax serves custom variants of "
             "dense layers only; register the layer with a kfacx.tags.LayerTag of your own."
         )
+    # kfac-jax passes the convolution equation's parameters along; those that only say
+    # how XLA computes it (precision, result type) are not layer metadata in kfacx.
+    for name in ("precision", "preferred_element_type", "out_sharding"):
+        kwargs.pop(name, None)
     return _tags.register_conv2d(y, x, w, b, **kwargs)
 
 

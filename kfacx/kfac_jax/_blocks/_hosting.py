@@ -57,7 +57,7 @@ class HostedBlock(_kfacx_blocks.CurvatureBlock):
         super().__init__(layer)
         self.hosted = block_ctor(layer)
         self._spec: tuple[Any, Any, bool] = ((), (), False)
-        self._layouts: dict[tuple, tuple[Any, tuple[bool, ...], tuple]] = {}
+        self._layouts: dict[tuple, tuple[Any, tuple[bool, ...], tuple, tuple]] = {}
 
     @property
     def block_name(self) -> str:
@@ -68,9 +68,10 @@ class HostedBlock(_kfacx_blocks.CurvatureBlock):
 
     # ------------------------------------------------------------------ state layout
 
-    def _layout(self, spec: tuple) -> tuple[Any, tuple[bool, ...], tuple]:
-        """``(treedef, which leaves are moving averages, their shapes)`` of the kfac-jax
-        state made with ``spec`` (computed abstractly, once per spec)."""
+    def _layout(self, spec: tuple) -> tuple[Any, tuple[bool, ...], tuple, tuple]:
+        """``(treedef, which leaves are moving averages, their shapes, the other leaves'
+        shapes and dtypes)`` of the kfac-jax state made with ``spec`` (computed
+        abstractly, once per spec)."""
         if spec not in self._layouts:
             state = jax.eval_shape(lambda: self.hosted.init(jax.random.PRNGKey(0), *spec))
             leaves, treedef = jax.tree_util.tree_flatten(state, is_leaf=_is_average)
@@ -83,7 +84,9 @@ class HostedBlock(_kfacx_blocks.CurvatureBlock):
                             f"this block's state has one of {type(leaf.value).__name__}."
                         )
                     shapes.append(tuple(leaf.value.shape))
-            self._layouts[spec] = (treedef, tuple(_is_average(x) for x in leaves), tuple(shapes))
+            others = tuple(x for x in leaves if not _is_average(x))
+            is_average = tuple(_is_average(x) for x in leaves)
+            self._layouts[spec] = (treedef, is_average, tuple(shapes), others)
         return self._layouts[spec]
 
     def _split(self, kj_state: Any) -> tuple[tuple, tuple]:
@@ -98,7 +101,7 @@ class HostedBlock(_kfacx_blocks.CurvatureBlock):
         return factors, tuple(x for x in leaves if not _is_average(x))
 
     def _join(self, state: _kfacx_blocks.BlockState, spec: tuple | None = None) -> Any:
-        treedef, is_average, _ = self._layout(self._spec if spec is None else spec)
+        treedef, is_average, _, _ = self._layout(self._spec if spec is None else spec)
         factors, cache = iter(state.factors), iter(state.cache)
         leaves = [_to_kfac_jax(next(factors)) if average else next(cache) for average in is_average]
         return jax.tree_util.tree_unflatten(treedef, leaves)
@@ -150,7 +153,7 @@ class HostedBlock(_kfacx_blocks.CurvatureBlock):
                 _kfacx_blocks.WeightedMovingAverage.zeros(s, self.dtype)
                 for s in self.factor_shapes()
             ),
-            tuple(jnp.zeros(c.shape, c.dtype) for c in self._zero_cache()),
+            tuple(jnp.zeros(c.shape, c.dtype) for c in self._layout(self._spec)[3]),
         )
 
         def one(direction):
@@ -168,11 +171,6 @@ class HostedBlock(_kfacx_blocks.CurvatureBlock):
         scaled = tuple(t * jnp.sqrt(jnp.asarray(num, t.dtype)) for t in tangents)
         stats = tuple(jnp.mean(s, axis=0) for s in jax.vmap(one)(scaled))
         return stats if rescale is None else tuple(s * rescale.astype(s.dtype) for s in stats)
-
-    def _zero_cache(self) -> tuple:
-        state = jax.eval_shape(lambda: self.hosted.init(jax.random.PRNGKey(0), *self._spec))
-        leaves = jax.tree_util.tree_leaves(state, is_leaf=_is_average)
-        return tuple(x for x in leaves if not _is_average(x))
 
     def update_cache(self, state, identity_weight):
         identity_weight = jnp.asarray(identity_weight, self.dtype)

@@ -9,6 +9,7 @@ The data-parallel helpers (`p_split`, `replicate_all_local_devices`,
 
 from kfacx.kfac_jax._unsupported import unsupported as _unsupported
 from kfacx.kfac_jax.utils._math import (
+    cosine_similarity,
     get_special_case_zero_inv,
     get_use_cholesky_inversion,
     inner_product,

@@ -101,9 +101,26 @@ def norm(obj: Any) -> jax.Array:
     return jnp.sqrt(squared_norm(obj))
 
 
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _sqrt_bounded_derivative(x: jax.Array, max_gradient: float) -> jax.Array:
+    return jnp.sqrt(x)
+
+
+@_sqrt_bounded_derivative.defjvp
+def _sqrt_bounded_jvp(max_gradient, primals, tangents):
+    (x,), (dx,) = primals, tangents
+    floor = jnp.maximum(x, 1.0 / (4.0 * max_gradient**2))  # where 1 / (2 sqrt) hits the bound
+    return jnp.sqrt(x), dx / (2.0 * jnp.sqrt(floor))
+
+
 def stable_sqrt(x: jax.Array) -> jax.Array:
-    """``sqrt(max(x, 0))``."""
-    return jnp.sqrt(jnp.maximum(x, 0.0))
+    """``sqrt(x)`` whose derivative is capped at 1000 (finite at 0), as kfac-jax's."""
+    return _sqrt_bounded_derivative(x, 1000.0)
+
+
+def cosine_similarity(v1: Any, v2: Any) -> jax.Array:
+    """The cosine of the angle between two pytrees seen as vectors."""
+    return inner_product(v1, v2) / (norm(v1) * norm(v2))
 
 
 def psd_inv(matrix: jax.Array) -> jax.Array:
