@@ -11,7 +11,7 @@ on top, into kfacx's (tag name -> kfacx block factory).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from kfacx import estimator as _estimator
 from kfacx.kfac_jax import curvature_blocks as _cb
@@ -30,6 +30,9 @@ __all__ = [
     "set_default_tag_to_block_ctor",
     "set_multi_default_tag_to_block_ctor",
 ]
+
+#: kfac-jax's type variable of an estimator's state (tests and extensions annotate with it).
+StateType = TypeVar("StateType")
 
 _DEFAULT_TAG_TO_BLOCK_CTOR: dict[str, Any] = dict(
     dense=_cb.DenseTwoKroneckerFactored,

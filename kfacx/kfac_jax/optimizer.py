@@ -33,6 +33,9 @@ __all__ = ["HAIKU_BIASES", "HAIKU_BIASES_AND_NORMS", "Optimizer"]
 HAIKU_BIASES = (r"^.*[/]b$",)
 HAIKU_BIASES_AND_NORMS = (r"^.*[/]b$", r"^.*[/](scale|offset)$")
 
+#: kfac-jax's type of the function arguments a step takes (params, [state,] [rng,] batch).
+FuncArgsVariants = tuple[Any, ...]
+
 #: kfac-jax options about its own object model, which kfacx has no use for.
 _IGNORED = ("forbid_setting_attributes_after_finalize", "modifiable_attribute_exceptions")
 
