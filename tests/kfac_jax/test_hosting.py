@@ -38,12 +38,24 @@ def _data(samples: int = 1, repeats: int | None = None, seed: int = 0) -> dict:
     return dict(inputs=(x,), outputs=(y,), params=(w, b), outputs_tangent=(dy,))
 
 
-def _fold(block, data, seed=0):
-    """A fresh state with one batch folded in (``ema_old=0``), cache refreshed."""
-    state = block.init(jax.random.PRNGKey(seed), (), (-1.0,), False)
-    stats = block.compute_statistics(data, BATCH)
-    state = block.update_from_statistics(state, stats, 0.0, 1.0)
-    return state, block.update_cache(state, LAMBDA)
+def _fold(block, data, vector=None):
+    """A fresh state with one batch folded in (``ema_old=0``), its dense matrix, and the
+    products of ``vector`` with the damped block and with the cached inverse (one
+    compilation instead of one per operation run eagerly)."""
+
+    @jax.jit
+    def run(data, vector):
+        state = block.init(jax.random.PRNGKey(0), (), (-1.0,), False)
+        stats = block.compute_statistics(data, BATCH)
+        state = block.update_from_statistics(state, stats, 0.0, 1.0)
+        cached = block.update_cache(state, LAMBDA)
+        if vector is None:
+            return block.to_dense_matrix(state), None, None
+        times = block.multiply_matpower(state, vector, LAMBDA, 1)
+        inverse = block.multiply_matpower(cached, vector, LAMBDA, -1, False, True)
+        return block.to_dense_matrix(state), times, inverse
+
+    return run(data, vector)
 
 
 def _vector(seed=1):
@@ -62,35 +74,30 @@ class PlainSubclass(kfac_jax.DenseTwoKroneckerFactored):
 @pytest.mark.parametrize("samples", [1, 3])
 def test_hosted_dense_block_matches_the_dense_reference(samples):
     block = HostedBlock(_layer(), PlainSubclass)
-    data = _data(samples)
-    state, cached = _fold(block, data)
+    data, v = _data(samples), _vector()
+    got_dense, got_times, got_inverse = _fold(block, data, v)
     (x,), (dy,) = data["inputs"], data["outputs_tangent"]
     x1 = np.concatenate([x, np.ones((BATCH, 1))], axis=1)
     a = x1.T @ x1 / BATCH
     g = sum(d.T @ d for d in np.asarray(dy)) / BATCH  # summed over the sampled directions
     dense = np.kron(a, g)
-    np.testing.assert_allclose(block.to_dense_matrix(state), dense, rtol=1e-12)
-    v = _vector()
-    got = block.multiply_matpower(state, v, LAMBDA, 1)
-    np.testing.assert_allclose(_flat(got), (dense + LAMBDA * np.eye(len(dense))) @ _flat(v))
+    np.testing.assert_allclose(got_dense, dense, rtol=1e-12)
+    np.testing.assert_allclose(_flat(got_times), (dense + LAMBDA * np.eye(len(dense))) @ _flat(v))
     # the cached inverse is kfac-jax's pi-adjusted one: (A + pi s I)^-1 (x) (G + s / pi I)^-1
     pi = np.sqrt((np.trace(a) / a.shape[0]) / (np.trace(g) / g.shape[0]))
     s = np.sqrt(LAMBDA)
     inverse = np.kron(
         np.linalg.inv(a + pi * s * np.eye(len(a))), np.linalg.inv(g + s / pi * np.eye(len(g)))
     )
-    got = block.multiply_matpower(cached, v, LAMBDA, -1, exact_power=False, use_cached=True)
-    np.testing.assert_allclose(_flat(got), inverse @ _flat(v), rtol=1e-10)
+    np.testing.assert_allclose(_flat(got_inverse), inverse @ _flat(v), rtol=1e-10)
 
 
 def test_hosted_dense_block_equals_kfacx_block():
     hosted, native = HostedBlock(_layer(), PlainSubclass), kfacx.DenseTwoKroneckerFactored(_layer())
     data, v = _data(samples=2), _vector()
-    (s1, c1), (s2, c2) = _fold(hosted, data), _fold(native, data)
-    np.testing.assert_allclose(hosted.to_dense_matrix(s1), native.to_dense_matrix(s2), rtol=1e-12)
-    got = hosted.multiply_matpower(c1, v, LAMBDA, -1, exact_power=False, use_cached=True)
-    want = native.multiply_matpower(c2, v, LAMBDA, -1, exact_power=False, use_cached=True)
-    np.testing.assert_allclose(_flat(got), _flat(want), rtol=1e-10)
+    (dense1, _, inverse1), (dense2, _, inverse2) = _fold(hosted, data, v), _fold(native, data, v)
+    np.testing.assert_allclose(dense1, dense2, rtol=1e-12)
+    np.testing.assert_allclose(_flat(inverse1), _flat(inverse2), rtol=1e-10)
     # a block used as it is is kfacx's own
     assert kfacx_block_ctor(kfac_jax.DenseTwoKroneckerFactored) is kfacx.DenseTwoKroneckerFactored
 
@@ -104,9 +111,9 @@ def test_padding_mask_zeroes_the_inputs_of_padded_examples():
     )
     kept = {k: (v[0][:5],) for k, v in data.items() if k != "params"}
     kept = dict(kept, params=data["params"], outputs_tangent=(data["outputs_tangent"][0][:, :5],))
-    got = block.compute_statistics(masked, jnp.asarray(5.0))
-    want = HostedBlock(_layer(), PlainSubclass)
-    want = dict(zip("ag", want.compute_statistics(kept, 5), strict=True))
+    got = jax.jit(block.compute_statistics)(masked, jnp.asarray(5.0))
+    want = jax.jit(block.compute_statistics, static_argnums=1)(kept, 5)
+    want = dict(zip("ag", want, strict=True))
     np.testing.assert_allclose(got[0], want["a"], rtol=1e-12)
     np.testing.assert_allclose(got[1], want["g"], rtol=1e-12)
 
@@ -118,12 +125,12 @@ def test_repeated_dense_block_keeps_its_average_repeats():
     block = HostedBlock(_layer(repeats), kfac_jax.RepeatedDenseKroneckerFactored)
     assert len(block.factor_shapes()) == 3
     data = _data(repeats=repeats)
-    state, _ = _fold(block, data)
+    dense, _, _ = _fold(block, data)
     (x,), (dy,) = data["inputs"], data["outputs_tangent"]
     rows = np.concatenate([np.reshape(x, (-1, D_IN)), np.ones((BATCH * repeats, 1))], axis=1)
     a = rows.T @ rows / BATCH
     g = np.reshape(dy, (-1, D_OUT)).T @ np.reshape(dy, (-1, D_OUT)) / BATCH
-    np.testing.assert_allclose(block.to_dense_matrix(state), np.kron(a, g) / repeats, rtol=1e-12)
+    np.testing.assert_allclose(dense, np.kron(a, g) / repeats, rtol=1e-12)
 
 
 def test_two_factor_state_layouts():
