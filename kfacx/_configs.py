@@ -315,15 +315,25 @@ class BatchConfig:
         estimated on when ``curvature_batch_fraction`` (or its default) is below
         1; default: the first ``m`` rows of every array. It must return ``m``
         examples by ``batch_size_extractor``.
+      use_func_gradients: take the loss and the gradient from ``value_and_grad_func``
+        itself, and the curvature statistics from a pass of their own (kfac-jax's way:
+        one more forward pass per step). By default one pass over the tagged function
+        gives all three, the gradient by differentiating its traced computation; that
+        is not the function's gradient when a custom derivative rule computes the
+        function differently, e.g. FermiNet's energy, whose rule's primal output is not
+        the function's (`kfacx.kfac_jax.Optimizer` sets it).
     """
 
     num_microbatches: int = 1
     example_mask_extractor: Callable[[Any], jax.Array] | None = None
     batch_size_extractor: Callable[[Any], int] | None = None
     curvature_subset_extractor: Callable[[Any, int], Any] | None = None
+    use_func_gradients: bool = False
 
     def __post_init__(self):
         check_int(self.num_microbatches, "num_microbatches", minimum=1)
+        if not isinstance(self.use_func_gradients, bool):
+            raise TypeError(f"use_func_gradients must be a bool, got {self.use_func_gradients!r}.")
         for name in (
             "example_mask_extractor",
             "batch_size_extractor",

@@ -38,7 +38,7 @@ class LossCall:
 
     Attributes:
       value_and_grad_func: ``jax.value_and_grad(loss_fn, has_aux=...)``; only its
-        value is used.
+        value is used, unless ``BatchConfig.use_func_gradients``.
       has_aux: ``loss_fn`` returns an aux output.
       has_state: ``loss_fn`` takes a state after the parameters and returns a new one.
       has_rng: ``loss_fn`` takes an rng key before the batch.
@@ -176,7 +176,22 @@ class BatchPasses:
             model_rng, curv_rng = jax.random.split(chunk_rng)
             args = self.call.args(params, state, model_rng, chunk)
             mask, n = self.weight(chunk)
-            if with_stats and fraction == 1.0:
+            if self.config.use_func_gradients:
+                value, grads = self.call.value_and_grad_func(*args)
+                stats = zero_stats
+                if with_stats and fraction == 1.0:
+                    stats = est.compute_curvature_stats(
+                        curv_rng,
+                        args,
+                        example_mask=mask,
+                        has_aux=self.call.has_aux_output,
+                        estimator_state=estimator_state,
+                    )
+                elif with_stats:
+                    stats = self.subset_stats(
+                        params, state, model_rng, curv_rng, chunk, fraction, estimator_state
+                    )
+            elif with_stats and fraction == 1.0:
                 value, grads, stats = est.value_grads_and_curvature_stats(
                     curv_rng,
                     args,

@@ -351,6 +351,8 @@ def layer_tags_vjp(
       data = vjp([losses[0].per_example_gradient()])
     """
     traced = trace_cached(func, func_args, params_index)
+    # Only what the tags depend on: the statistics need nothing else of the function.
+    traced = dataclasses.replace(traced, closed_jaxpr=_jaxpr.tag_ancestors(traced.closed_jaxpr))
     flat_args = jax.tree_util.tree_leaves(tuple(func_args))
     predictions, vjp_fn, (records, loss_operands, _) = jax.vjp(
         lambda p: _forward(traced, flat_args, p), _zero_perturbations(traced), has_aux=True

@@ -41,7 +41,7 @@ from kfacx._jaxpr._origins import (
     slice_levels,
     tag_sites,
 )
-from kfacx._jaxpr._passes import dce, loss_ancestors, sink_invariants
+from kfacx._jaxpr._passes import dce, loss_ancestors, sink_invariants, tag_ancestors
 from kfacx._jaxpr._sites import OnTag, eval_jaxpr_sites
 
 __all__ = [
@@ -74,6 +74,7 @@ __all__ = [
     "read",
     "scan_body_origins",
     "sink_invariants",
+    "tag_ancestors",
     "slice_levels",
     "sub_jaxprs",
     "tag_sites",

@@ -328,23 +328,20 @@ def _holds_loss_tag(eqn: JaxprEqn) -> bool:
     return any(any(map(_holds_loss_tag, sub.eqns)) for sub in sub_jaxprs(eqn))
 
 
-def loss_ancestors(closed: jex.core.ClosedJaxpr) -> jex.core.ClosedJaxpr:
-    """The equations the registered losses depend on: those holding a loss tag (also in a
-    body or branch) and, transitively, the producers of their operands (the same
-    equation objects, in order). The jaxpr's outputs are kept where they are still
-    defined. Without any loss tag, ``closed`` as it is.
+def _holds_tag(eqn: JaxprEqn) -> bool:
+    return is_tag_eqn(eqn) or any(any(map(_holds_tag, sub.eqns)) for sub in sub_jaxprs(eqn))
 
-    Detection looks for layers here only: the curvature of the registered losses flows
-    through these equations alone. A parameter also used elsewhere (FermiNet's network
-    weights, also used in the local energy's Laplacian beside the wavefunction whose
-    distribution is registered) is a layer only where it feeds the losses, as in kfac-jax,
-    which traces the losses' computation alone.
-    """
+
+def _ancestors(closed: jex.core.ClosedJaxpr, root) -> jex.core.ClosedJaxpr:
+    """The equations for which ``root(eqn)`` holds and, transitively, the producers of their
+    operands (the same equation objects, in order); the jaxpr's outputs are kept where
+    they are still defined. ``closed`` as it is when that is every equation, or when no
+    equation holds a loss tag."""
     jaxpr = closed.jaxpr
     needed: set[Any] = set()
     kept: list[JaxprEqn] = []
     for eqn in reversed(jaxpr.eqns):
-        if _holds_loss_tag(eqn) or any(v in needed for v in eqn.outvars):
+        if root(eqn) or any(v in needed for v in eqn.outvars):
             kept.append(eqn)
             needed.update(v for v in eqn.invars if not isinstance(v, jex.core.Literal))
     if not any(map(_holds_loss_tag, kept)) or len(kept) == len(jaxpr.eqns):
@@ -353,3 +350,24 @@ def loss_ancestors(closed: jex.core.ClosedJaxpr) -> jex.core.ClosedJaxpr:
     defined = {*jaxpr.invars, *jaxpr.constvars, *(v for e in kept for v in e.outvars)}
     outvars = [v for v in jaxpr.outvars if isinstance(v, jex.core.Literal) or v in defined]
     return jex.core.ClosedJaxpr(jaxpr.replace(eqns=kept, outvars=outvars), closed.consts)
+
+
+def loss_ancestors(closed: jex.core.ClosedJaxpr) -> jex.core.ClosedJaxpr:
+    """The equations the registered losses depend on: those holding a loss tag (also in a
+    body or branch) and, transitively, the producers of their operands.
+
+    Detection looks for layers here only: the curvature of the registered losses flows
+    through these equations alone. A parameter also used elsewhere (FermiNet's network
+    weights, also used in the local energy's Laplacian beside the wavefunction whose
+    distribution is registered) is a layer only where it feeds the losses, as in kfac-jax,
+    which traces the losses' computation alone.
+    """
+    return _ancestors(closed, _holds_loss_tag)
+
+
+def tag_ancestors(closed: jex.core.ClosedJaxpr) -> jex.core.ClosedJaxpr:
+    """The equations every tag (layer or loss) depends on, tags included: what the
+    curvature statistics need of a tagged function (`kfacx.tracer.layer_tags_vjp`), without
+    the rest of the loss's computation (FermiNet's local energy, and its custom derivative
+    rule, which a pass that differentiates the statistics must not run)."""
+    return _ancestors(closed, _holds_tag)

@@ -1,5 +1,9 @@
 """``kfac_jax.optimizer``: kfac-jax's `Optimizer`, served by `kfacx.Optimizer`.
 
+The loss and gradient are ``value_and_grad_func``'s own, as in kfac-jax
+(``use_func_gradients=True``: a custom derivative rule such as FermiNet's energy
+gradient is used as it is), and the curvature statistics come from a pass of their own.
+
 The constructor takes kfac-jax's arguments: the block table and graph patterns in
 kfac-jax's terms (`kfacx.kfac_jax.curvature_estimator.kfacx_block_ctors`,
 `kfacx.kfac_jax.tag_graph_matcher.detection_kwargs`), ``use_automatic_registration``,
@@ -57,6 +61,7 @@ class Optimizer(_kfacx_optimizer.Optimizer):
         register_only_generic: bool = False,
         patterns_to_skip: Any = (),
         include_norms_in_stats: bool = False,
+        use_func_gradients: bool = True,
         **kwargs: Any,
     ):
         for name in _IGNORED:
@@ -70,6 +75,7 @@ class Optimizer(_kfacx_optimizer.Optimizer):
             layer_tag_to_block_ctor=kfacx_block_ctors(layer_tag_to_block_ctor),
             auto_register_kwargs=detection_kwargs(detection),
             auto_register_tags=use_automatic_registration,
+            use_func_gradients=use_func_gradients,
             **kwargs,
         )
         self._include_norms_in_stats = bool(include_norms_in_stats)
