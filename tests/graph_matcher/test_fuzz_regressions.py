@@ -1,0 +1,25 @@
+"""Shrunk failures of the detection fuzzer (tests/graph_matcher/test_fuzz.py), as plain
+tests: each model runs every check of tests/graph_matcher/_fuzz_checks.py (detection
+and its report, float64 products against the dense exact GGN, one optimizer step).
+No hypothesis needed.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from . import _fuzz_checks as C
+from ._fuzz_models import Model, Op
+
+#: name -> (shrunk model, what it raised before the fix).
+CASES = {
+    # A convolution's bias through a view (+ iota): `_views.servable` unpacked the conv's
+    # ConvDimensionNumbers as a dense contraction's.
+    "conv_bias_view": (Model((Op("conv", 1, bias="iota"),)), "ValueError (unpacking)"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_shrunk_fuzzer_failure(name):
+    model, _ = CASES[name]
+    C.check_model(model, products=True, step=True)
