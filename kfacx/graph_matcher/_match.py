@@ -24,7 +24,7 @@ from typing import Any
 
 import jax.extend as jex
 
-from kfacx import _jaxpr
+from kfacx import _jaxpr, tags
 from kfacx import _views as views_meta
 from kfacx.graph_matcher import _elementwise, _views
 from kfacx.graph_matcher._claims import MANUAL, can_tie, check_unambiguous, claim_key
@@ -260,6 +260,8 @@ def _structural_match(pattern, graph, t_eqn, claimed) -> Match | None:
     if bound is None:
         return None
     inputs, params, eqns, tv = bound
+    if _constant_scale_and_shift(pattern, graph, inputs):
+        return None
     flat = _views.flatten(params)  # parameters concatenated from leaves
     params, exprs, view_eqns = flat if flat is not None else (params, None, [])
     origins = [graph.origin[v] for v in params]
@@ -280,6 +282,17 @@ def _structural_match(pattern, graph, t_eqn, claimed) -> Match | None:
     match = Match(pattern, eqns, inputs, params, leaves, tv, meta, stacked, permutation)
     match.view_eqns = view_eqns
     return match
+
+
+def _constant_scale_and_shift(pattern, graph, inputs) -> bool:
+    """Whether a scale-and-shift match's input is a constant (``b + iota``, ``s * mask``):
+    no layer of the batch but the parameter through an elementwise map with a constant
+    operand, which the layer that uses it reads as a view (`_elementwise`). Matched as a
+    layer, its statistics took the constant's rows for examples and its curvature was
+    wrong (issue 39's fuzzer: a layer norm's offset plus a ramp)."""
+    if pattern.tag_primitive.name != tags.scale_and_shift.name or not inputs:
+        return False
+    return all(graph.constants.is_constant(v) for v in inputs)
 
 
 def _unify_output(pattern, graph, t_eqn, claimed) -> tuple | None:

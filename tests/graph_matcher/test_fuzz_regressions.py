@@ -16,6 +16,12 @@ CASES = {
     # A convolution's bias through a view (+ iota): `_views.servable` unpacked the conv's
     # ConvDimensionNumbers as a dense contraction's.
     "conv_bias_view": (Model((Op("conv", 1, bias="iota"),)), "ValueError (unpacking)"),
+    # A layer norm's offset plus a ramp (``b + iota``) was matched as a shift layer on the
+    # constant ramp: its statistics took the ramp's single row for the examples.
+    "offset_plus_ramp": (
+        Model((Op("ln", 1, view="dyn", bias="iota"),), loss="softmax", inputs="ids"),
+        "product mismatch",
+    ),
 }
 
 
