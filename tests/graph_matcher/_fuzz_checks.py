@@ -140,9 +140,12 @@ def _products(model: F.Model) -> int:
         jac = jax.jacrev(lambda f: F.logits(model, F._Params(unravel(f), jnp.float64), args[1][0]))(
             flat
         )
-        return ravel_pytree(est.multiply(state, unravel(v)))[0], out, jac
+        return est.multiply(state, unravel(v)), out, jac
 
-    got, z, jac = (np.asarray(a, np.float64) for a in run(state, (params, batch), v, flat))
+    product, z, jac = run(state, (params, batch), v, flat)
+    shapes = jax.tree.map(jnp.shape, params)
+    assert jax.tree.map(jnp.shape, product) == shapes, (jax.tree.map(jnp.shape, product), shapes)
+    got, z, jac = (np.asarray(a, np.float64) for a in (ravel_pytree(product)[0], z, jac))
     ggn = sum(
         j.T @ output_hessian(_kind(model), zb, 1.0) @ j for zb, j in zip(z, jac, strict=True)
     ) / len(z)
