@@ -23,8 +23,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax.extend as jex
+import numpy as np
 
-from kfacx import _jaxpr, tags
+from kfacx import _jaxpr
 from kfacx import _views as views_meta
 from kfacx.graph_matcher import _elementwise, _views
 from kfacx.graph_matcher._claims import MANUAL, can_tie, check_unambiguous, claim_key
@@ -260,7 +261,7 @@ def _structural_match(pattern, graph, t_eqn, claimed) -> Match | None:
     if bound is None:
         return None
     inputs, params, eqns, tv = bound
-    if _constant_scale_and_shift(pattern, graph, inputs):
+    if _constant_inputs(graph, inputs):
         return None
     flat = _views.flatten(params)  # parameters concatenated from leaves
     params, exprs, view_eqns = flat if flat is not None else (params, None, [])
@@ -284,15 +285,27 @@ def _structural_match(pattern, graph, t_eqn, claimed) -> Match | None:
     return match
 
 
-def _constant_scale_and_shift(pattern, graph, inputs) -> bool:
-    """Whether a scale-and-shift match's input is a constant (``b + iota``, ``s * mask``):
-    no layer of the batch but the parameter through an elementwise map with a constant
-    operand, which the layer that uses it reads as a view (`_elementwise`). Matched as a
-    layer, its statistics took the constant's rows for examples and its curvature was
-    wrong (issue 39's fuzzer: a layer norm's offset plus a ramp)."""
-    if pattern.tag_primitive.name != tags.scale_and_shift.name or not inputs:
+def _constant_inputs(graph, inputs) -> bool:
+    """Whether a match's inputs are constants that are not the batch's: a ramp, a mask or
+    indices from ``np.arange`` (``b + iota``, ``w[perm]``). Such a "layer" is the
+    parameter through a map with constant operands, which a layer that uses the result
+    may read as a view; matched as a layer, its statistics took the constant's rows for
+    the batch's examples and the curvature was wrong (issue 39's fuzzer: a layer norm's
+    offset plus a ramp became a shift layer on the ramp; ``x @ w[perm]`` an embedding of
+    the indices). A constant whose rows are the batch's and all equal (an RNN's zero
+    initial state) is still a layer's input (`_batch_constant`)."""
+    if not inputs or not all(graph.constants.is_constant(v) for v in inputs):
         return False
-    return all(graph.constants.is_constant(v) for v in inputs)
+    return not all(_batch_constant(graph, v) for v in inputs)
+
+
+def _batch_constant(graph, var) -> bool:
+    """Whether a constant has the batch on its leading axis, all its rows equal."""
+    shape = var.aval.shape
+    if not shape or (graph.batch_sizes is not None and shape[0] not in graph.batch_sizes):
+        return False
+    value = graph.constants.value(var)
+    return value is not None and bool(np.all(value == value[:1]))
 
 
 def _unify_output(pattern, graph, t_eqn, claimed) -> tuple | None:

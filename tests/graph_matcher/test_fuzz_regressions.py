@@ -22,6 +22,9 @@ CASES = {
         Model((Op("ln", 1, view="dyn", bias="iota"),), loss="softmax", inputs="ids"),
         "product mismatch",
     ),
+    # A weight gathered by constant indices (``x @ w[perm]``) was matched as an embedding
+    # of the indices (the dense layer then found no weight).
+    "gathered_weight": (Model((Op("dense", 1, view="gather"),)), "product mismatch"),
     # A convolution's bias stored as a row [1, out]: the conv block's products returned it
     # as [out], and the optimizer's step failed on the tangent's shape.
     "conv_row_bias": (Model((Op("conv", 1, bias="row"),)), "ValueError (jvp tangent shape)"),
