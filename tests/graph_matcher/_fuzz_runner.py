@@ -19,7 +19,7 @@ from . import _fuzz_checks as C
 from . import _fuzz_models as F
 
 
-def ops(depth: int = 1) -> st.SearchStrategy[tuple[F.Op, ...]]:
+def ops(depth: int = 2) -> st.SearchStrategy[tuple[F.Op, ...]]:
     """Lists of one to four ops; wrappers nest ``depth`` levels at most."""
     layer = st.builds(
         F.Op,
@@ -37,7 +37,7 @@ def ops(depth: int = 1) -> st.SearchStrategy[tuple[F.Op, ...]]:
 
 
 @st.composite
-def models(draw, depth: int = 1) -> F.Model:
+def models(draw, depth: int = 2) -> F.Model:
     """Random `Model`s: float32 or bfloat16 parameters, float or id inputs."""
     return F.Model(
         draw(ops(depth)),
