@@ -49,7 +49,7 @@ def models(draw, depth: int = 2) -> F.Model:
 
 PROFILES = {
     # In the suite: deterministic (derandomized), no example database, no output.
-    "quick": dict(max_examples=60, derandomize=True),
+    "quick": dict(max_examples=40, derandomize=True),
     # benchmarks/fuzz_detection.py sets max_examples and the seed.
     "long": dict(max_examples=10_000, derandomize=False),
 }

@@ -1,7 +1,7 @@
 """Shrunk failures of the detection fuzzer (tests/graph_matcher/test_fuzz.py), as plain
-tests: each model runs every check of tests/graph_matcher/_fuzz_checks.py (detection
-and its report, float64 products against the dense exact GGN, one optimizer step).
-No hypothesis needed.
+tests: each model runs the checks of tests/graph_matcher/_fuzz_checks.py (detection and
+its report, float64 products against the dense exact GGN; one optimizer step where the
+failure was the step's). No hypothesis needed.
 """
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ import pytest
 from . import _fuzz_checks as C
 from ._fuzz_models import Model, Op
 
-#: name -> (shrunk model, what it raised before the fix).
+#: name -> (shrunk model, what it raised before the fix). The step (a compilation of a
+#: whole K-FAC step) runs for the cases whose failure was in the step only.
+STEP = ("conv_row_bias",)
 CASES = {
     # A convolution's bias through a view (+ iota): `_views.servable` unpacked the conv's
     # ConvDimensionNumbers as a dense contraction's.
@@ -34,4 +36,5 @@ CASES = {
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_shrunk_fuzzer_failure(name):
     model, _ = CASES[name]
-    C.check_model(model, products=True, step=True)
+    done = C.check_model(model, products=True, step=name in STEP)
+    assert done["detected"] and done["compared"] > 0, done
