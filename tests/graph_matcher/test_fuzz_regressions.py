@@ -13,7 +13,7 @@ from ._fuzz_models import Model, Op
 
 #: name -> (shrunk model, what it raised before the fix). The step (a compilation of a
 #: whole K-FAC step) runs for the cases whose failure was in the step only.
-STEP = ("conv_row_bias",)
+STEP = ("conv_row_bias", "scalar_bias")
 CASES = {
     # A convolution's bias through a view (+ iota): `_views.servable` unpacked the conv's
     # ConvDimensionNumbers as a dense contraction's.
@@ -30,6 +30,9 @@ CASES = {
     # A convolution's bias stored as a row [1, out]: the conv block's products returned it
     # as [out], and the optimizer's step failed on the tangent's shape.
     "conv_row_bias": (Model((Op("conv", 1, bias="row"),)), "ValueError (jvp tangent shape)"),
+    # A dense layer's bias broadcast from one entry (``b: [1]``) was tagged as its bias,
+    # and the estimator's dense block refused it when the optimizer was set up.
+    "scalar_bias": (Model((Op("dense", 3, view="split", bias="bcast"),)), "ValueError (block)"),
 }
 
 
