@@ -273,7 +273,7 @@ def _structural_match(pattern, graph, t_eqn, claimed) -> Match | None:
     if extracted is None:
         return None
     meta, permutation = extracted
-    if not _bias_fits(pattern, meta, params, exprs):
+    if not _bias_fits(pattern, meta, params, exprs) or _spans_batch(pattern, params, exprs, tv):
         return None
     stacked = any(_jaxpr.slice_levels(o) for o in origins)
     if exprs is not None:
@@ -308,6 +308,21 @@ def _bias_fits(pattern, meta: dict, params, exprs) -> bool:
         outputs = ((*(w[i] for i in w_batch), *outputs), outputs)
         return _strip_ones(b) in {_strip_ones(o) for o in outputs}
     return _strip_ones(b) == _strip_ones(outputs)
+
+
+def _spans_batch(pattern, params, exprs, output_var) -> bool:
+    """Whether a scale-and-shift match's parameter (as the layer reads it) spans the
+    output's leading (batch) axis: then it is no per-feature parameter but one value per
+    row (``h + w`` with ``w`` shaped like ``h``, where a weight's first size equals the
+    batch size), and a full block's per-example gradients could not broadcast it over one
+    example (issue 39's fuzzer: an internal ValueError in the scale-and-shift compute)."""
+    if pattern.tag_primitive.name != tags.scale_and_shift.name:
+        return False
+    out = output_var.aval.shape
+    shapes = [v.aval.shape for v in params]
+    if exprs is not None:
+        shapes = [views_meta.shape(e, shapes) for e in exprs]
+    return bool(out) and any(len(s) == len(out) and s[0] != 1 for s in shapes)
 
 
 def _strip_ones(shape) -> tuple[int, ...]:

@@ -152,9 +152,9 @@ def _products(model: F.Model) -> int:
     for idx in blocks:
         mask[np.ix_(idx, idx)] = True
     want = np.where(mask, ggn, 0.0) @ v
-    # Rounding of float64 sums of |ggn_ij v_j| terms: the absolute tolerance (a product
-    # that is zero up to rounding has no relative precision).
-    atol = 1e-12 * np.abs(ggn).max() * np.abs(v).sum() + 1e-300
+    # Rounding of the float64 sums J^T H J v (|H| <= 2): the absolute tolerance (a product
+    # that is zero up to rounding, e.g. of a saturated softmax, has no relative precision).
+    atol = 1e-12 * np.abs(jac).max() ** 2 * jac.shape[1] * np.abs(v).sum() + 1e-300
     np.testing.assert_allclose(got[matched], want[matched], rtol=1e-6, atol=atol)
     return int(matched.sum())
 

@@ -33,6 +33,27 @@ CASES = {
     # A dense layer's bias broadcast from one entry (``b: [1]``) was tagged as its bias,
     # and the estimator's dense block refused it when the optimizer was set up.
     "scalar_bias": (Model((Op("dense", 3, view="split", bias="bcast"),)), "ValueError (block)"),
+    # A weight [3, 1] plus a ramp (``w + iota``) with a batch of 3: matched as a shift on
+    # the ramp whose parameter spans the batch axis; the full block's per-example
+    # gradients failed to broadcast it over one example (JAX ValueError in kfacx).
+    "weight_shaped_like_batch": (
+        Model(
+            (Op("where"), Op("scatter"), Op("dense_t", 1, view="iota", bias="row")),
+            loss="softmax",
+            inputs="ids",
+            dtype="bfloat16",
+        ),
+        "ValueError (broadcast)",
+    ),
+    # Softmax saturated in bfloat16 rounding: a float64 product that is zero up to rounding.
+    "zero_products": (
+        Model(
+            (Op("ln", 4, view="flat"), Op("ln", 4, view="flat"), Op("expand"), Op("expand")),
+            loss="softmax",
+            dtype="bfloat16",
+        ),
+        "product mismatch (tolerance)",
+    ),
 }
 
 
