@@ -300,10 +300,15 @@ def _bias_fits(pattern, meta: dict, params, exprs) -> bool:
     if name not in (tags.dense.name, tags.conv.name) or len(shapes) != 2:
         return True
     w, b = shapes
+    dims = meta.get("dimension_numbers")
     if name == tags.conv.name:
-        outputs = (w[meta["dimension_numbers"].rhs_spec[0]],)
+        if dims is None or len(dims.rhs_spec) != len(w):
+            return True  # a weight read through a reshape: other checks refuse the match
+        outputs = (w[dims.rhs_spec[0]],)
     else:
-        (_, w_axes), (_, w_batch) = meta["dimension_numbers"]
+        (_, w_axes), (_, w_batch) = dims
+        if len(w) < 2 or any(a >= len(w) for a in (*w_axes, *w_batch)):
+            return True  # as above
         outputs = tuple(d for i, d in enumerate(w) if i not in (*w_axes, *w_batch))
         outputs = ((*(w[i] for i in w_batch), *outputs), outputs)
         return _strip_ones(b) in {_strip_ones(o) for o in outputs}

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 import traceback
 import warnings
 from typing import Any
@@ -25,14 +24,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _models import output_hessian  # tests/_models.py (tests/ is on the path)
 from jax.flatten_util import ravel_pytree
 
 import kfacx
 
 from . import _fuzz_models as F
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from _models import output_hessian  # noqa: E402
 
 #: Every layer tag served by a full block: a correctly tagged layer then holds its exact
 #: GGN block (per-example gradients, not Kronecker factors).

@@ -45,6 +45,12 @@ CASES = {
         ),
         "ValueError (broadcast)",
     ),
+    # A conv whose weight is read through a reshape: the bias check of the previous fix
+    # read the kernel's output axis from the flat leaf (IndexError).
+    "flat_conv_kernel": (
+        Model((Op("dense", 1), Op("dense", 1), Op("conv", 1, view="flat"))),
+        "IndexError",
+    ),
     # Softmax saturated in bfloat16 rounding: a float64 product that is zero up to rounding.
     "zero_products": (
         Model(
