@@ -152,7 +152,9 @@ def _products(model: F.Model) -> int:
     # Rounding of the float64 sums J^T H J v (|H| <= 2): the absolute tolerance (a product
     # that is zero up to rounding, e.g. of a saturated softmax, has no relative precision).
     atol = 1e-12 * np.abs(jac).max() ** 2 * jac.shape[1] * np.abs(v).sum() + 1e-300
-    np.testing.assert_allclose(got[matched], want[matched], rtol=1e-6, atol=atol)
+    # rtol: the models' float32 round trips ("cast", "convert") round the reference's
+    # cotangents where kfacx reads a cast as shape-only (relative 1e-7 each).
+    np.testing.assert_allclose(got[matched], want[matched], rtol=1e-5, atol=atol)
     return int(matched.sum())
 
 

@@ -51,6 +51,20 @@ CASES = {
         Model((Op("dense", 1), Op("dense", 1), Op("conv", 1, view="flat"))),
         "IndexError",
     ),
+    # float32 round trips of activations in the float64 check: a relative 1.3e-6 apart.
+    "rounded_activations": (
+        Model(
+            (
+                Op("rms", 1, view="cumsum"),
+                Op("conv", 2, view="gather", bias="row"),
+                Op("vmap", body=(Op("tanh"), Op("rms", 1, view="cumsum"))),
+                Op("convert"),
+            ),
+            loss="softmax",
+            dtype="bfloat16",
+        ),
+        "product mismatch (tolerance)",
+    ),
     # Softmax saturated in bfloat16 rounding: a float64 product that is zero up to rounding.
     "zero_products": (
         Model(
