@@ -23,8 +23,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax.extend as jex
+import numpy as np
 
-from kfacx import _jaxpr
+from kfacx import _jaxpr, tags
 from kfacx import _views as views_meta
 from kfacx.graph_matcher import _elementwise, _views
 from kfacx.graph_matcher._claims import MANUAL, can_tie, check_unambiguous, claim_key
@@ -260,6 +261,8 @@ def _structural_match(pattern, graph, t_eqn, claimed) -> Match | None:
     if bound is None:
         return None
     inputs, params, eqns, tv = bound
+    if _constant_inputs(graph, inputs):
+        return None
     flat = _views.flatten(params)  # parameters concatenated from leaves
     params, exprs, view_eqns = flat if flat is not None else (params, None, [])
     origins = [graph.origin[v] for v in params]
@@ -270,6 +273,8 @@ def _structural_match(pattern, graph, t_eqn, claimed) -> Match | None:
     if extracted is None:
         return None
     meta, permutation = extracted
+    if not _bias_fits(pattern, meta, params, exprs) or _spans_batch(pattern, params, exprs, tv):
+        return None
     stacked = any(_jaxpr.slice_levels(o) for o in origins)
     if exprs is not None:
         shapes = [v.aval.shape for v in params]
@@ -280,6 +285,77 @@ def _structural_match(pattern, graph, t_eqn, claimed) -> Match | None:
     match = Match(pattern, eqns, inputs, params, leaves, tv, meta, stacked, permutation)
     match.view_eqns = view_eqns
     return match
+
+
+def _bias_fits(pattern, meta: dict, params, exprs) -> bool:
+    """Whether a dense or conv match's bias (its second parameter, as the layer reads it)
+    has the layer's output features, leading ones aside (`kfacx.register_dense`'s
+    contract). A bias broadcast from one entry (``x @ w + jnp.broadcast_to(b, (1, n))``
+    with ``b: [1]``) was tagged as the layer's bias and the estimator's block refused it
+    at set-up (issue 39's fuzzer); refused here, the layer is matched without it."""
+    name = pattern.tag_primitive.name
+    shapes = [v.aval.shape for v in params]
+    if exprs is not None:
+        shapes = [views_meta.shape(e, shapes) for e in exprs]
+    if name not in (tags.dense.name, tags.conv.name) or len(shapes) != 2:
+        return True
+    w, b = shapes
+    dims = meta.get("dimension_numbers")
+    if name == tags.conv.name:
+        if dims is None or len(dims.rhs_spec) != len(w):
+            return True  # a weight read through a reshape: other checks refuse the match
+        outputs = (w[dims.rhs_spec[0]],)
+    else:
+        (_, w_axes), (_, w_batch) = dims
+        if len(w) < 2 or any(a >= len(w) for a in (*w_axes, *w_batch)):
+            return True  # as above
+        outputs = tuple(d for i, d in enumerate(w) if i not in (*w_axes, *w_batch))
+        outputs = ((*(w[i] for i in w_batch), *outputs), outputs)
+        return _strip_ones(b) in {_strip_ones(o) for o in outputs}
+    return _strip_ones(b) == _strip_ones(outputs)
+
+
+def _spans_batch(pattern, params, exprs, output_var) -> bool:
+    """Whether a scale-and-shift match's parameter (as the layer reads it) spans the
+    output's leading (batch) axis: then it is no per-feature parameter but one value per
+    row (``h + w`` with ``w`` shaped like ``h``, where a weight's first size equals the
+    batch size), and a full block's per-example gradients could not broadcast it over one
+    example (issue 39's fuzzer: an internal ValueError in the scale-and-shift compute)."""
+    if pattern.tag_primitive.name != tags.scale_and_shift.name:
+        return False
+    out = output_var.aval.shape
+    shapes = [v.aval.shape for v in params]
+    if exprs is not None:
+        shapes = [views_meta.shape(e, shapes) for e in exprs]
+    return bool(out) and any(len(s) == len(out) and s[0] != 1 for s in shapes)
+
+
+def _strip_ones(shape) -> tuple[int, ...]:
+    shape = tuple(shape)
+    return shape[next((i for i, d in enumerate(shape) if d != 1), len(shape)) :]
+
+
+def _constant_inputs(graph, inputs) -> bool:
+    """Whether a match's inputs are constants that are not the batch's: a ramp, a mask or
+    indices from ``np.arange`` (``b + iota``, ``w[perm]``). Such a "layer" is the
+    parameter through a map with constant operands, which a layer that uses the result
+    may read as a view; matched as a layer, its statistics took the constant's rows for
+    the batch's examples and the curvature was wrong (issue 39's fuzzer: a layer norm's
+    offset plus a ramp became a shift layer on the ramp; ``x @ w[perm]`` an embedding of
+    the indices). A constant whose rows are the batch's and all equal (an RNN's zero
+    initial state) is still a layer's input (`_batch_constant`)."""
+    if not inputs or not all(graph.constants.is_constant(v) for v in inputs):
+        return False
+    return not all(_batch_constant(graph, v) for v in inputs)
+
+
+def _batch_constant(graph, var) -> bool:
+    """Whether a constant has the batch on its leading axis, all its rows equal."""
+    shape = var.aval.shape
+    if not shape or (graph.batch_sizes is not None and shape[0] not in graph.batch_sizes):
+        return False
+    value = graph.constants.value(var)
+    return value is not None and bool(np.all(value == value[:1]))
 
 
 def _unify_output(pattern, graph, t_eqn, claimed) -> tuple | None:

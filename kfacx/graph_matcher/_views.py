@@ -37,6 +37,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import jax.extend as jex
 
 from kfacx import _jaxpr, _views
@@ -236,13 +237,24 @@ def servable(pattern, meta: dict, exprs: tuple, shapes: Sequence, stacked: bool)
     a scan's ``xs`` with slices taken of them), and each leaf read whole, once
     (`kfacx.blocks.ViewBlock`), or in slices read once (`kfacx.blocks.SlicedBlock`,
     if the other slices are other layers': `incomplete_slices`)."""
-    (_, _), batch = meta.get("dimension_numbers", (((), ()), ((), ())))
+    batch = _batch_dims(meta)
     if bool(batch[0] or batch[1]) or pattern.tag_inputs_from_params:
         return False
     if not any(map(_views.is_sliced, exprs)):
         return _views.is_permutation(exprs, shapes)
     boxes = _views.all_boxes(exprs)
     return not stacked and boxes is not None and _views.disjoint(boxes)
+
+
+def _batch_dims(meta: dict) -> tuple:
+    """The batch dimensions of a dense layer's contraction; none for a convolution, whose
+    ``dimension_numbers`` are a `jax.lax.ConvDimensionNumbers` (lhs, rhs and output
+    specs): unpacking those as a contraction raised an internal ValueError for a
+    convolution whose bias is a view (issue 39's fuzzer)."""
+    dims = meta.get("dimension_numbers")
+    if dims is None or isinstance(dims, jax.lax.ConvDimensionNumbers):
+        return (), ()
+    return dims[1]
 
 
 def sliced(meta: dict) -> bool:
