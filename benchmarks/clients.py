@@ -6,7 +6,8 @@ script checks that claim on real clients, each run under two *engines*:
 
 - ``kfac-jax`` (the peer, the baseline): jax 0.9.0 + kfac-jax 0.0.8 from PyPI, the
   client's code untouched;
-- ``kfacx``: the newest jax this machine's Python allows + kfacx installed editable
+- ``kfacx``: the newest jax (``--kfacx-jax`` pins another, e.g. 0.10.2, in a venv of its
+  own; jax >= 0.11 needs Python 3.12, ``--kfacx-python``) + kfacx installed editable
   from this repository (no kfac-jax), the client's code copied with only its
   ``kfac_jax`` import lines rewritten (``import kfac_jax`` ->
   ``import kfacx.kfac_jax as kfac_jax``, ``from kfac_jax[.x] import`` ->
@@ -24,8 +25,10 @@ Parts (``--part``, several allowed, comma-separated or repeated):
 ``energy``          FermiNet trains H2 (and LiH) with K-FAC, same seed and config for
                     each engine: mean energy over the last iterations with its standard
                     error, median seconds per iteration, kfacx/kfac-jax time ratio;
-``deepqmc``         DeepQMC 1.2.0 (Python 3.11 works; 1.3.0 needs 3.12): its tests/ from
-                    the 1.2.0 tag, including test_app.py's K-FAC training run.
+``deepqmc``         DeepQMC 1.3.0 (Python 3.12, jax < 0.9, kfac-jax 0.0.8's API): its tests/
+                    from the 1.3.0 tag, test_app.py's K-FAC training run of H2 included.
+                    1.2.0 installs and imports on Python 3.11 but predates kfac-jax
+                    0.0.7's API and fails on jax >= 0.6; the part says so.
 
 An engine whose import fails is reported as such (the row says ``import failed`` with
 the exception's last line), never a crash. Logs, JUnit XML and JSON results go under
@@ -36,7 +39,7 @@ Examples::
     python benchmarks/clients.py --part setup
     python benchmarks/clients.py --part ferminet-tests --engine kfac-jax --devices 1,2
     python benchmarks/clients.py --part kfac-jax-tests --engine both
-    python benchmarks/clients.py --part energy --systems H2 --iterations 300
+    python benchmarks/clients.py --part energy --systems H2,LiH --iterations 500
     python benchmarks/clients.py --part names --engine kfacx
 
 Only the standard library is imported at the top: the script also runs itself inside
@@ -154,7 +157,7 @@ def run(cmd, *, log_path: Path | None = None, cwd=None, env=None, timeout=None, 
 
 def last_error_line(text: str) -> str:
     """The exception line of a traceback (the last line that looks like 'Name: msg')."""
-    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    lines = [re.sub(r"^E\s+", "", ln.strip()) for ln in text.strip().splitlines() if ln.strip()]
     for ln in reversed(lines):
         if re.match(r"^[\w.]*(Error|Exception|Exit|Interrupt)\b", ln) or re.match(
             r"^E\s+\w+(Error|Exception)", ln
@@ -201,8 +204,8 @@ def base_env(venv: Path, devices: int = 1) -> dict:
 def checkout(workdir: Path, name: str, source: str, ref: str | None) -> Path:
     """A work tree of `source` (a work tree, a bare git dir or a URL) under workdir/src."""
     src = Path(source)
-    if src.is_dir() and (src / ".git").exists() and not ref:
-        return src  # a work tree given as is
+    if src.is_dir() and not (src / "HEAD").exists() and not ref:
+        return src  # a work tree (or a plain copy) given as is
     dest = workdir / "src" / (name + (f"-{ref}" if ref else ""))
     if not dest.exists():
         if not src.exists() and "://" not in source:
@@ -394,6 +397,13 @@ def engine_venv(args, engine: str) -> tuple[Path | None, str]:
     )
 
 
+def engine_tag(args, engine: str) -> str:
+    """The engine's name in tables, labels and file names: kfacx[jax0.10.2] when pinned."""
+    return (
+        engine if engine != "kfacx" or args.kfacx_jax == "newest" else f"kfacx[jax{args.kfacx_jax}]"
+    )
+
+
 def kfacx_venv_name(base: str, args) -> str:
     """One venv per jax request: `kfacx` (newest jax) and e.g. `kfacx-jax0.10.2`."""
     return base if args.kfacx_jax == "newest" else f"{base}-jax{args.kfacx_jax}"
@@ -453,10 +463,12 @@ def parse_junit(path: Path) -> dict:
         if bad is not None:
             res[kind] += 1
             msg = (bad.get("message") or bad.text or "").strip()
-            # pytest's message is the exception's repr; keep its first line.
-            first = msg.splitlines()[0] if msg else ""
-            if not first and bad.text:
-                first = last_error_line(bad.text)
+            # pytest's message is the exception's repr; keep its first line (and the
+            # next one where the first is only "AssertionError:").
+            lines = [ln.strip() for ln in msg.splitlines() if ln.strip()]
+            first = lines[0] if lines else ""
+            if first.endswith(":") and len(lines) > 1:
+                first = f"{first} {lines[1]}"
             if bad.text and not re.search(r"(Error|Exception)", first):
                 first = last_error_line(bad.text) or first
             res["failures"].append((name, first[:300]))
@@ -525,9 +537,10 @@ def part_ferminet_tests(args) -> None:
     files = [f.strip() for f in args.ferminet_files.split(",") if f.strip()]
     rows, all_failures = [], []
     for engine in args.engines:
+        tag = engine_tag(args, engine)
         venv, note = engine_venv(args, engine)
         if venv is None:
-            rows += [[f, engine, "-", "venv failed", "", "", "", note[:120]] for f in files]
+            rows += [[f, tag, "-", "venv failed", "", "", "", note[:120]] for f in files]
             continue
         tree = engine_copy(args.workdir, "ferminet", src, engine)
         ok, msg = probe_engine(
@@ -536,14 +549,14 @@ def part_ferminet_tests(args) -> None:
         for devices in args.devices:
             seen = jax_devices(venv, devices)
             if ok and seen != devices:
-                log(f"  {engine}: asked for {devices} devices, jax sees {seen}")
+                log(f"  {tag}: asked for {devices} devices, jax sees {seen}")
             for f in files:
-                label = f"{engine}/{devices}dev/{f}"
+                label = f"{tag}/{devices}dev/{f}"
                 if not ok:
-                    rows.append([f, engine, devices, "import failed", "", "", "", msg[:120]])
+                    rows.append([f, tag, devices, "import failed", "", "", "", msg[:120]])
                     continue
-                junit = args.workdir / "junit" / f"ferminet-{engine}-{devices}dev-{f}.xml"
-                logp = args.workdir / "logs" / f"ferminet-{engine}-{devices}dev-{f}.log"
+                junit = args.workdir / "junit" / f"ferminet-{tag}-{devices}dev-{f}.xml"
+                logp = args.workdir / "logs" / f"ferminet-{tag}-{devices}dev-{f}.log"
                 sel = (
                     _ferminet_selection(tree, args.train_tests, venv)
                     if f == "train_test.py"
@@ -579,7 +592,7 @@ def part_ferminet_tests(args) -> None:
                 rows.append(
                     [
                         f,
-                        engine,
+                        tag,
                         devices,
                         res["passed"],
                         res["failed"] + res["errors"],
@@ -623,19 +636,20 @@ def part_kfac_jax_tests(args) -> None:
         files = [f for f in files if any(s in f for s in args.kfac_jax_files.split(","))]
     rows, all_failures = [], []
     for engine in args.engines:
+        tag = engine_tag(args, engine)
         venv, note = engine_venv(args, engine)
         if venv is None:
-            rows += [[f, engine, "venv failed", "", "", "", note] for f in files]
+            rows += [[f, tag, "venv failed", "", "", "", note] for f in files]
             continue
         tree = engine_copy(args.workdir, "kfac-jax-tests", src, engine, subdirs=["tests"])
         ok, msg = probe_engine(venv, engine, tree, "from tests import models")
         for f in files:
-            label = f"{engine}/{f}"
+            label = f"{tag}/{f}"
             if not ok:
-                rows.append([f, engine, "", "", "", "", "import failed: " + msg[:100]])
+                rows.append([f, tag, "", "", "", "", "import failed: " + msg[:100]])
                 continue
-            junit = args.workdir / "junit" / f"kfac-jax-tests-{engine}-{f}.xml"
-            logp = args.workdir / "logs" / f"kfac-jax-tests-{engine}-{f}.log"
+            junit = args.workdir / "junit" / f"kfac-jax-tests-{tag}-{f}.xml"
+            logp = args.workdir / "logs" / f"kfac-jax-tests-{tag}-{f}.log"
             env = base_env(venv)
             env["PYTHONPATH"] = str(tree)  # `from tests import models`
             rc, dt, out = run(
@@ -665,7 +679,7 @@ def part_kfac_jax_tests(args) -> None:
             rows.append(
                 [
                     f,
-                    engine,
+                    tag,
                     res["passed"],
                     res["failed"] + res["errors"],
                     res["skipped"],
@@ -700,18 +714,19 @@ def part_energy(args) -> None:
     src = ferminet_source(args)
     results = {}
     for engine in args.engines:
+        tag = engine_tag(args, engine)
         venv, note = engine_venv(args, engine)
         if venv is None:
-            log(f"  {engine}: venv failed: {note}")
+            log(f"  {tag}: venv failed: {note}")
             continue
         tree = engine_copy(args.workdir, "ferminet", src, engine)
         ok, msg = probe_engine(venv, engine, tree, "import ferminet.train")
         for system in args.systems:
-            label = f"{engine}/{system}/{args.devices[0]}dev"
+            label = f"{tag}/{system}/{args.devices[0]}dev"
             if not ok:
                 results[label] = {"error": "import failed: " + msg}
                 continue
-            out_dir = args.workdir / "energy" / f"{engine}-{system}-{args.devices[0]}dev"
+            out_dir = args.workdir / "energy" / f"{tag}-{system}-{args.devices[0]}dev"
             if out_dir.exists():
                 shutil.rmtree(out_dir)
             out_dir.mkdir(parents=True)
@@ -767,14 +782,19 @@ def part_energy(args) -> None:
                     f"{r['median_s_per_iter']:.4f} s/iter, total {dt:.0f}s"
                 )
     rows = []
+    saved = args.workdir / "results" / "energy.json"
+    saved = json.loads(saved.read_text()) if saved.exists() else {}
     for system in args.systems:
-        base = results.get(f"kfac-jax/{system}/{args.devices[0]}dev", {})
+        # the baseline of this run, else the last one saved (same config or not: see its row)
+        key = f"kfac-jax/{system}/{args.devices[0]}dev"
+        base = results.get(key) or saved.get(key, {})
         for engine in args.engines:
-            r = results.get(f"{engine}/{system}/{args.devices[0]}dev")
+            tag = engine_tag(args, engine)
+            r = results.get(f"{tag}/{system}/{args.devices[0]}dev")
             if r is None:
                 continue
             if "error" in r:
-                rows.append([system, engine, "-", "-", "-", "-", r["error"][:100]])
+                rows.append([system, tag, "-", "-", "-", "-", r["error"][:100]])
                 continue
             ratio = (
                 r["median_s_per_iter"] / base["median_s_per_iter"]
@@ -784,7 +804,7 @@ def part_energy(args) -> None:
             rows.append(
                 [
                     system,
-                    engine,
+                    tag,
                     r["iterations"],
                     f"{r['energy_mean']:.5f} +- {r['energy_se']:.5f}",
                     f"{r['median_s_per_iter']:.4f}",
@@ -839,6 +859,7 @@ def _deepqmc_ref(args, ref: str) -> None:
         return
     rows, all_failures = [], []
     for engine in args.engines:
+        tag = engine_tag(args, engine)
         tree = engine_copy(args.workdir, f"deepqmc-{ref}", src, engine)
         if engine == "kfac-jax":
             # deepqmc's own pins choose jax (1.3.0: jax < 0.9, so 0.8.x) for kfac-jax 0.0.8.
@@ -865,15 +886,15 @@ def _deepqmc_ref(args, ref: str) -> None:
                 no_deps=[str(tree)],
             )
         if venv is None:
-            rows.append(["tests/", engine, "", "", "", "", "venv failed: " + note])
+            rows.append(["tests/", tag, "", "", "", "", "venv failed: " + note])
             continue
         ok, msg = probe_engine(venv, engine, None, "import deepqmc.optimizer, deepqmc.app")
         if not ok:
-            rows.append(["tests/", engine, "", "", "", "", "import failed: " + msg[:120]])
-            save_result(args.workdir, "deepqmc", f"{ref}/{engine}", {"import_failed": msg})
+            rows.append(["tests/", tag, "", "", "", "", "import failed: " + msg[:120]])
+            save_result(args.workdir, "deepqmc", f"{ref}/{tag}", {"import_failed": msg})
             continue
-        junit = args.workdir / "junit" / f"deepqmc-{ref}-{engine}.xml"
-        logp = args.workdir / "logs" / f"deepqmc-{ref}-{engine}.log"
+        junit = args.workdir / "junit" / f"deepqmc-{ref}-{tag}.xml"
+        logp = args.workdir / "logs" / f"deepqmc-{ref}-{tag}.log"
         env = base_env(venv)
         targets = (
             [f"tests/{t}" for t in args.deepqmc_tests.split(",")]
@@ -906,7 +927,7 @@ def _deepqmc_ref(args, ref: str) -> None:
         rows.append(
             [
                 "tests/",
-                engine,
+                tag,
                 res["passed"],
                 res["failed"] + res["errors"],
                 res["skipped"],
@@ -914,11 +935,11 @@ def _deepqmc_ref(args, ref: str) -> None:
                 f"{status}; {versions(venv)}",
             ]
         )
-        all_failures.append((f"deepqmc {ref}/{engine}", res["failures"]))
+        all_failures.append((f"deepqmc {ref}/{tag}", res["failures"]))
         save_result(
             args.workdir,
             "deepqmc",
-            f"{ref}/{engine}",
+            f"{ref}/{tag}",
             {
                 **{k: res[k] for k in ("passed", "failed", "errors", "skipped")},
                 "seconds": round(dt, 1),
@@ -928,7 +949,7 @@ def _deepqmc_ref(args, ref: str) -> None:
             },
         )
         log(
-            f"  deepqmc {ref}/{engine}: {res['passed']} passed, "
+            f"  deepqmc {ref}/{tag}: {res['passed']} passed, "
             f"{res['failed'] + res['errors']} failed in {dt:.0f}s ({status}; log {logp})"
         )
     log(f"\nDeepQMC {ref} tests/")
@@ -1326,6 +1347,10 @@ def worker_energy(args) -> None:
     cfg.network.determinants = args.determinants
     cfg.pretrain.iterations = args.pretrain
     cfg.mcmc.burn_in = args.burn_in
+    # FermiNet adapts the MCMC move width every 100 iterations from 0.02, which leaves
+    # the walkers nearly frozen (pmove ~0.97) over a few hundred iterations of a small
+    # molecule and biases the energy; adapt every 10 iterations instead.
+    cfg.mcmc.adapt_frequency = 10
     cfg.optim.optimizer = "kfac"
     cfg.optim.iterations = args.iterations
     cfg.debug.deterministic = True  # the same seed (23) for every engine
@@ -1364,19 +1389,11 @@ def worker_energy(args) -> None:
     dts = np.diff(times)[args.skip :]
     last = energy[-args.last :]
     se_naive = float(last.std(ddof=1) / np.sqrt(len(last)))
-    se = se_naive
-    block = 1
-    try:  # reblocking: the energies of successive iterations are correlated
-        import pandas as pd
-        import pyblock
-
-        data_len, reblock, covariance = pyblock.pd_utils.reblock(pd.Series(last))
-        opt = pyblock.pd_utils.reblock_summary(reblock)
-        if len(opt):
-            se = float(opt["standard error"].iloc[0])
-            block = int(2 ** int(opt.index[0]))
-    except Exception:  # noqa: BLE001 - fall back to the naive error
-        pass
+    # the energies of successive iterations are correlated: the error of the mean is
+    # taken from 10 blocks of consecutive iterations
+    block = max(1, len(last) // 10)
+    means = last[: block * (len(last) // block)].reshape(-1, block).mean(axis=1)
+    se = float(means.std(ddof=1) / np.sqrt(len(means))) if len(means) > 1 else se_naive
     result = {
         "system": args._system,
         "iterations": len(rows),
@@ -1472,14 +1489,14 @@ def main(argv=None) -> None:
     p.add_argument("--test-timeout", type=int, default=3600, help="seconds per pytest run")
     p.add_argument("--max-failure-lines", type=int, default=12)
     g = p.add_argument_group("energy")
-    g.add_argument("--systems", default="H2", help="comma-separated: H2, LiH, ...")
-    g.add_argument("--iterations", type=int, default=300)
+    g.add_argument("--systems", default="H2,LiH", help="comma-separated: H2, LiH, ...")
+    g.add_argument("--iterations", type=int, default=500)
     g.add_argument("--batch", type=int, default=256)
     g.add_argument("--hidden", default="32x8", help="one-electron x two-electron widths")
     g.add_argument("--determinants", type=int, default=4)
     g.add_argument("--pretrain", type=int, default=100, help="HF pretraining iterations")
     g.add_argument("--burn-in", type=int, default=50)
-    g.add_argument("--last", type=int, default=100, help="iterations averaged")
+    g.add_argument("--last", type=int, default=200, help="iterations averaged")
     g.add_argument("--skip", type=int, default=10, help="first iterations left out of s/iter")
     g.add_argument("--energy-timeout", type=int, default=3600)
     for hidden in ("--_worker", "--_engine", "--_in", "--_out", "--_system"):
