@@ -65,6 +65,11 @@ CASES = {
         ),
         "product mismatch (tolerance)",
     ),
+    # A model whose GGN has NaN entries (in both): the tolerance was NaN.
+    "nan_products": (
+        Model((Op("max_sub"), Op("ln", 1, view="dyn"), Op("max_sub"), Op("dense", 1))),
+        "product mismatch (atol NaN)",
+    ),
     # Softmax saturated in bfloat16 rounding: a float64 product that is zero up to rounding.
     "zero_products": (
         Model(
