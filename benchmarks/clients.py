@@ -838,6 +838,25 @@ DEEPQMC_NOTES = {
 }
 
 
+def _deepqmc_cli(args, venv: Path, tree: Path, name: str) -> str:
+    """test_app.py's command (K-FAC training of H2), run directly: its last error line."""
+    src = (tree / "tests" / "test_app.py").read_text()
+    m = re.search(r"ARGS = \[(.*?)\]", src, re.S)
+    cli_args = ast.literal_eval("[" + m.group(1) + "]") if m else ["deepqmc"]
+    out_dir = args.workdir / "scratch" / name
+    shutil.rmtree(out_dir, ignore_errors=True)
+    out_dir.mkdir(parents=True)
+    env = dict(base_env(venv), HYDRA_FULL_ERROR="1")
+    rc, _, out = run(
+        [*cli_args, f"hydra.run.dir={out_dir}"],
+        log_path=args.workdir / "logs" / f"{name}.log",
+        cwd=out_dir,
+        env=env,
+        timeout=args.test_timeout,
+    )
+    return "ok" if rc == 0 else last_error_line(out)
+
+
 def part_deepqmc(args) -> None:
     """DeepQMC: its tests/ (from the release's tag) under each engine."""
     for ref in args.deepqmc_refs:
@@ -923,6 +942,14 @@ def _deepqmc_ref(args, ref: str) -> None:
             timeout=args.test_timeout,
         )
         res = parse_junit(junit)
+        if any("test_app" in name for name, _ in res["failures"]):
+            # test_app.py runs the `deepqmc` command and shows only its exit status: run
+            # the command again here for the exception behind it.
+            cli = _deepqmc_cli(args, venv, tree, f"deepqmc-{ref}-{tag}-cli")
+            res["failures"] = [
+                (name, f"{msg} <- deepqmc command: {cli}" if "test_app" in name else msg)
+                for name, msg in res["failures"]
+            ]
         status = "timeout" if rc == 124 else f"rc={rc}"
         rows.append(
             [
