@@ -164,3 +164,24 @@ def test_moving_average_is_kfacx_average():
 def test_block_needs_kfacx_layer_info():
     with pytest.raises(TypeError, match="layer_tag_to_block_ctor"):
         PlainSubclass("not a layer")
+
+
+def test_a_fresh_block_instance_refreshes_a_state_it_did_not_make():
+    """kfacx's estimator builds new block objects when it traces the function again and
+    calls ``init`` on none of them: the cache spec travels in the state. (FermiNet's
+    energy run crashed at its first scheduled refresh: the new instance rebuilt a state
+    with no cached inverses, and the refresh's ``cond`` branches differed.)"""
+    maker, fresh = HostedBlock(_layer(), PlainSubclass), HostedBlock(_layer(), PlainSubclass)
+    data, v = _data(), _vector()
+
+    @jax.jit
+    def run(data, vector, count):
+        state = maker.init(jax.random.PRNGKey(0), (), (-1.0,), False)
+        state = fresh.update_from_statistics(state, fresh.compute_statistics(data, BATCH), 0.0, 1.0)
+        state = jax.lax.cond(
+            count % 2 == 0, lambda s: fresh.update_cache(s, LAMBDA), lambda s: s, state
+        )
+        return fresh.multiply_matpower(state, vector, LAMBDA, -1, False, True)
+
+    _, _, expected = _fold(HostedBlock(_layer(), PlainSubclass), data, v)
+    np.testing.assert_allclose(_flat(run(data, v, 0)), _flat(expected), rtol=1e-10)

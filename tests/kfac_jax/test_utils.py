@@ -89,3 +89,18 @@ def test_pmap_helpers():
     np.testing.assert_allclose(outside, x)
     assert gather.shape == (n, n) and bool(inside_flag[0]) and not bool(none_flag[0])
     assert not utils.in_pmap("i")
+
+
+def test_broadcast_with_axis_name_takes_arrays_a_pmap_placed():
+    """FermiNet's observables: walkers read back from a pmap's output (replicated on that
+    pmap's mesh), reshuffled and broadcast with the pmap's axis name, feed the same pmap.
+    kfacx's identity pmap (no axis name) refused them: its mesh differs."""
+    n = jax.local_device_count()
+    f = jax.pmap(lambda a: a * 2 + jax.lax.psum(a, "qmc"), axis_name="qmc")
+    pos = f(jnp.ones((n, 5, 3))).reshape(-1, 3)
+    idx = np.random.default_rng(0).integers(0, pos.shape[0] - 1, size=n * 5)
+    walkers = utils.broadcast_all_local_devices(pos[idx].reshape(n, 5, -1), axis_name="qmc")
+    np.testing.assert_array_equal(np.asarray(f(walkers)), np.full((n, 5, 3), (n + 2.0) ** 2))
+    moves = utils.replicate_all_local_devices(jnp.asarray([0.1]), axis_name="qmc")
+    assert moves.shape == (n, 1)
+    np.testing.assert_allclose(np.asarray(jax.pmap(lambda m: m, axis_name="qmc")(moves)), 0.1)

@@ -45,6 +45,29 @@ def _is_average(x: Any) -> bool:
     return isinstance(x, KfacJaxAverage)
 
 
+@jax.tree_util.register_pytree_node_class
+class HostedCache:
+    """The leaves of a kfac-jax block state other than its moving averages (a kfacx
+    `BlockState`'s cache), with the cache spec ``(exact_powers, approx_powers,
+    eigenvalues)`` the state was made with as static data: the state says how to rebuild
+    it, whichever `HostedBlock` instance reads it (kfacx's estimator builds new block
+    objects when it traces the function again, and calls ``init`` on none of them)."""
+
+    def __init__(self, leaves: tuple, spec: tuple):
+        self.leaves = tuple(leaves)
+        self.spec = spec
+
+    def tree_flatten(self):
+        return self.leaves, self.spec
+
+    @classmethod
+    def tree_unflatten(cls, spec, leaves):
+        return cls(tuple(leaves), spec)
+
+    def __repr__(self) -> str:
+        return f"HostedCache({len(self.leaves)} leaves, spec={self.spec})"
+
+
 class HostedBlock(_kfacx_blocks.CurvatureBlock):
     """A kfacx block serving a layer with a kfac-jax block (see the module docstring).
 
@@ -56,6 +79,9 @@ class HostedBlock(_kfacx_blocks.CurvatureBlock):
     def __init__(self, layer: _kfacx_blocks.LayerInfo, block_ctor: Any):
         super().__init__(layer)
         self.hosted = block_ctor(layer)
+        # The cache spec of the states this block makes without being given one (the
+        # zero state its statistics are computed on); a state's own spec is in its
+        # `HostedCache`.
         self._spec: tuple[Any, Any, bool] = ((), (), False)
         self._layouts: dict[tuple, tuple[Any, tuple[bool, ...], tuple, tuple]] = {}
 
@@ -89,7 +115,7 @@ class HostedBlock(_kfacx_blocks.CurvatureBlock):
             self._layouts[spec] = (treedef, is_average, tuple(shapes), others)
         return self._layouts[spec]
 
-    def _split(self, kj_state: Any) -> tuple[tuple, tuple]:
+    def _split(self, kj_state: Any, spec: tuple) -> tuple[tuple, HostedCache]:
         leaves = jax.tree_util.tree_leaves(kj_state, is_leaf=_is_average)
         factors = tuple(
             _kfacx_blocks.WeightedMovingAverage(
@@ -98,11 +124,11 @@ class HostedBlock(_kfacx_blocks.CurvatureBlock):
             for x in leaves
             if _is_average(x)
         )
-        return factors, tuple(x for x in leaves if not _is_average(x))
+        return factors, HostedCache(tuple(x for x in leaves if not _is_average(x)), spec)
 
-    def _join(self, state: _kfacx_blocks.BlockState, spec: tuple | None = None) -> Any:
-        treedef, is_average, _, _ = self._layout(self._spec if spec is None else spec)
-        factors, cache = iter(state.factors), iter(state.cache)
+    def _join(self, state: _kfacx_blocks.BlockState) -> Any:
+        treedef, is_average, _, _ = self._layout(state.cache.spec)
+        factors, cache = iter(state.factors), iter(state.cache.leaves)
         leaves = [_to_kfac_jax(next(factors)) if average else next(cache) for average in is_average]
         return jax.tree_util.tree_unflatten(treedef, leaves)
 
@@ -116,18 +142,14 @@ class HostedBlock(_kfacx_blocks.CurvatureBlock):
     ) -> _kfacx_blocks.BlockState:
         """The kfac-jax block's initial state, as a kfacx `BlockState` (its moving
         averages as factors, the other leaves as the cache)."""
-        self._spec = (
-            tuple(exact_powers_to_cache or ()),
-            tuple(approx_powers_to_cache or ()),
-            bool(cache_eigenvalues),
-        )
-        self._layout(self._spec)
-        factors, cache = self._split(self.hosted.init(rng, *self._spec))
+        spec = _cache_spec(exact_powers_to_cache, approx_powers_to_cache, cache_eigenvalues)
+        self._layout(spec)
+        factors, cache = self._split(self.hosted.init(rng, *spec), spec)
         return _kfacx_blocks.BlockState(factors, cache)
 
     def init_cache(self, exact_powers_to_cache, approx_powers_to_cache, cache_eigenvalues):
-        spec = (tuple(exact_powers_to_cache), tuple(approx_powers_to_cache), cache_eigenvalues)
-        return self._split(self.hosted.init(jax.random.PRNGKey(0), *spec))[1]
+        spec = _cache_spec(exact_powers_to_cache, approx_powers_to_cache, cache_eigenvalues)
+        return self._split(self.hosted.init(jax.random.PRNGKey(0), *spec), spec)[1]
 
     def compute_statistics(self, estimation_data, batch_size):
         """The kfac-jax block's update on a zero state, one per output-gradient direction
@@ -153,7 +175,10 @@ class HostedBlock(_kfacx_blocks.CurvatureBlock):
                 _kfacx_blocks.WeightedMovingAverage.zeros(s, self.dtype)
                 for s in self.factor_shapes()
             ),
-            tuple(jnp.zeros(c.shape, c.dtype) for c in self._layout(self._spec)[3]),
+            HostedCache(
+                tuple(jnp.zeros(c.shape, c.dtype) for c in self._layout(self._spec)[3]),
+                self._spec,
+            ),
         )
 
         def one(direction):
@@ -174,8 +199,9 @@ class HostedBlock(_kfacx_blocks.CurvatureBlock):
 
     def update_cache(self, state, identity_weight):
         identity_weight = jnp.asarray(identity_weight, self.dtype)
-        kj = self.hosted.update_cache(self._join(state), identity_weight, *self._spec)
-        return state._replace(cache=self._split(kj)[1])
+        spec = state.cache.spec
+        kj = self.hosted.update_cache(self._join(state), identity_weight, *spec)
+        return state._replace(cache=self._split(kj, spec)[1])
 
     def _multiply(self, state, vector, identity_weight):
         identity_weight = jnp.asarray(identity_weight, self.dtype)
@@ -195,6 +221,14 @@ class HostedBlock(_kfacx_blocks.CurvatureBlock):
 
     def to_dense_matrix(self, state):
         return self.hosted.to_dense_matrix(self._join(state))
+
+
+def _cache_spec(exact_powers_to_cache, approx_powers_to_cache, cache_eigenvalues) -> tuple:
+    return (
+        tuple(exact_powers_to_cache or ()),
+        tuple(approx_powers_to_cache or ()),
+        bool(cache_eigenvalues),
+    )
 
 
 def _to_kfac_jax(average: _kfacx_blocks.WeightedMovingAverage) -> KfacJaxAverage:

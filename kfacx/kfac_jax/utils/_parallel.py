@@ -56,12 +56,24 @@ def _tree_is_empty(obj: Any) -> bool:
 _identity_pmap = jax.pmap(lambda x: x)
 
 
+def _axis_sharding(axis_name: str) -> jax.sharding.NamedSharding:
+    """Leading axis split over the local devices, on a mesh whose one axis is named
+    ``axis_name`` (what a `jax.pmap` with that axis name takes and gives on JAX's
+    shard_map-based pmap)."""
+    mesh = jax.sharding.Mesh(jax.local_devices(), (axis_name,))
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(axis_name))
+
+
 def broadcast_all_local_devices(obj: Any, axis_name: str | None = None) -> Any:
     """Puts ``obj``, whose leaves have a leading axis of `jax.local_device_count`, one
-    slice on each local device (as a pmap's input or output). ``axis_name`` is taken
-    for kfac-jax's signature; the placement does not depend on it."""
-    del axis_name
-    return obj if _tree_is_empty(obj) else _identity_pmap(obj)
+    slice on each local device (as a pmap's input or output). With ``axis_name`` the
+    leaves are placed on a mesh with that axis name, as kfac-jax does; pass the pmap's
+    axis name to feed arrays already placed by a pmap back into it."""
+    if _tree_is_empty(obj):
+        return obj
+    if axis_name is None:
+        return _identity_pmap(obj)
+    return jax.device_put(obj, _axis_sharding(axis_name))
 
 
 def replicate_all_local_devices(obj: Any, axis_name: str | None = None) -> Any:
