@@ -722,11 +722,12 @@ def part_energy(args) -> None:
         tree = engine_copy(args.workdir, "ferminet", src, engine)
         ok, msg = probe_engine(venv, engine, tree, "import ferminet.train")
         for system in args.systems:
-            label = f"{tag}/{system}/{args.devices[0]}dev"
+            suffix = "" if args.optimizer == "kfac" else f"-{args.optimizer}"
+            label = f"{tag}/{system}/{args.devices[0]}dev{suffix}"
             if not ok:
                 results[label] = {"error": "import failed: " + msg}
                 continue
-            out_dir = args.workdir / "energy" / f"{tag}-{system}-{args.devices[0]}dev"
+            out_dir = args.workdir / "energy" / f"{tag}-{system}-{args.devices[0]}dev{suffix}"
             if out_dir.exists():
                 shutil.rmtree(out_dir)
             out_dir.mkdir(parents=True)
@@ -749,6 +750,8 @@ def part_energy(args) -> None:
                 args.hidden,
                 "--determinants",
                 args.determinants,
+                "--optimizer",
+                args.optimizer,
                 "--pretrain",
                 args.pretrain,
                 "--burn-in",
@@ -786,11 +789,12 @@ def part_energy(args) -> None:
     saved = json.loads(saved.read_text()) if saved.exists() else {}
     for system in args.systems:
         # the baseline of this run, else the last one saved (same config or not: see its row)
-        key = f"kfac-jax/{system}/{args.devices[0]}dev"
+        suffix = "" if args.optimizer == "kfac" else f"-{args.optimizer}"
+        key = f"kfac-jax/{system}/{args.devices[0]}dev{suffix}"
         base = results.get(key) or saved.get(key, {})
         for engine in args.engines:
             tag = engine_tag(args, engine)
-            r = results.get(f"{tag}/{system}/{args.devices[0]}dev")
+            r = results.get(f"{tag}/{system}/{args.devices[0]}dev{suffix}")
             if r is None:
                 continue
             if "error" in r:
@@ -813,8 +817,8 @@ def part_energy(args) -> None:
                 ]
             )
     log(
-        f"\nFermiNet K-FAC energy (last {args.last} of {args.iterations} iterations; batch "
-        f"{args.batch}, hidden {args.hidden}, {args.determinants} determinants, pretrain "
+        f"\nFermiNet {args.optimizer} energy (last {args.last} of {args.iterations} iterations; "
+        f"batch {args.batch}, hidden {args.hidden}, {args.determinants} determinants, pretrain "
         f"{args.pretrain}, {args.devices[0]} device(s); s/iter: median after the first {args.skip})"
     )
     log(
@@ -1378,7 +1382,7 @@ def worker_energy(args) -> None:
     # the walkers nearly frozen (pmove ~0.97) over a few hundred iterations of a small
     # molecule and biases the energy; adapt every 10 iterations instead.
     cfg.mcmc.adapt_frequency = 10
-    cfg.optim.optimizer = "kfac"
+    cfg.optim.optimizer = args.optimizer
     cfg.optim.iterations = args.iterations
     cfg.debug.deterministic = True  # the same seed (23) for every engine
     cfg.log.save_path = str(Path(args._out) / "ckpt")
@@ -1439,6 +1443,7 @@ def worker_energy(args) -> None:
             "batch": args.batch,
             "hidden": list(cfg.network.ferminet.hidden_dims[0]),
             "determinants": args.determinants,
+            "optimizer": args.optimizer,
             "pretrain": args.pretrain,
             "burn_in": args.burn_in,
         },
@@ -1521,6 +1526,12 @@ def main(argv=None) -> None:
     g.add_argument("--batch", type=int, default=256)
     g.add_argument("--hidden", default="32x8", help="one-electron x two-electron widths")
     g.add_argument("--determinants", type=int, default=4)
+    g.add_argument(
+        "--optimizer",
+        default="kfac",
+        choices=("kfac", "adam"),
+        help="FermiNet's optimizer: adam times the engines' JAX versions without K-FAC",
+    )
     g.add_argument("--pretrain", type=int, default=100, help="HF pretraining iterations")
     g.add_argument("--burn-in", type=int, default=50)
     g.add_argument("--last", type=int, default=200, help="iterations averaged")
