@@ -33,12 +33,18 @@ def fast_compile_options(platform: str | None = None) -> dict[str, Any]:
     return dict(_CPU_FAST_COMPILE)
 
 
-@functools.cache
 def _cpu_accepts_fast_compile() -> bool:
-    """Whether this jaxlib knows the options (XLA rejects unknown ones at compile time)."""
+    return cpu_accepts(tuple(_CPU_FAST_COMPILE.items()))
+
+
+@functools.cache
+def cpu_accepts(options: tuple[tuple[str, Any], ...]) -> bool:
+    """Whether this jaxlib's CPU compiler knows ``options`` (``(name, value)`` pairs;
+    XLA rejects unknown ones at compile time: jaxlib 0.12 dropped
+    ``xla_cpu_use_fusion_emitters``, the classic emitters with it)."""
     try:
         x = jax.device_put(jnp.zeros(()), jax.devices("cpu")[0])
-        jax.jit(lambda y: y + 1, compiler_options=_CPU_FAST_COMPILE).lower(x).compile()
+        jax.jit(lambda y: y + 1, compiler_options=dict(options)).lower(x).compile()
     except jax.errors.JaxRuntimeError:
         return False
     return True
