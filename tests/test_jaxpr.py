@@ -291,3 +291,31 @@ def test_sink_invariants_leaves_custom_derivative_calls_alone():
     f.defjvp(lambda p, t: (f(p[0]), t[0] * (1 - jnp.tanh(p[0]) ** 2)))
     closed = jax.make_jaxpr(lambda x: f(x.astype(jnp.bfloat16)))(X)
     assert _jaxpr.sink_invariants(closed) is closed
+
+
+def test_scan_params_rebind_a_scan_with_one_more_const():
+    """`_jaxpr.scan_counts` / `scan_params` read and rewrite a scan's operand groups on
+    every supported JAX (``num_consts``/``num_carry`` up to jax 0.11, ``ft_in``/``ft_out``
+    in 0.12): a scan given one more (unused) const operand computes the same."""
+
+    def f(c, xs, w):
+        return jax.lax.scan(lambda c, x: (c * w + x, (c + x, c * x)), c, xs)
+
+    args = (jnp.float32(1.0), jnp.arange(3.0, dtype=jnp.float32), jnp.float32(0.5))
+    closed = jax.make_jaxpr(f)(*args)
+    (eqn,) = [e for e in closed.jaxpr.eqns if _jaxpr.is_scan(e)]
+    assert _jaxpr.scan_counts(eqn.params) == (1, 1)
+    body = eqn.params["jaxpr"]
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in body.jaxpr.invars]
+    wider = jax.make_jaxpr(lambda extra, *a: _jaxpr.eval_jaxpr(body.jaxpr, body.consts, a))(
+        jax.ShapeDtypeStruct((2,), jnp.float32), *avals
+    )
+    params = _jaxpr.scan_params(
+        dict(eqn.params, jaxpr=wider), 2, len(eqn.invars) + 1, len(eqn.outvars)
+    )
+    assert _jaxpr.scan_counts(params) == (2, 1)
+    invals = [args[2], args[0], args[1]]  # const, carry, xs (the scan's operand order)
+    want = _jaxpr.bind_eqn(eqn, invals)
+    got = _jaxpr.bind_eqn(eqn.replace(params=params), [jnp.ones(2, jnp.float32), *invals])
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))

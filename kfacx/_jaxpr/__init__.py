@@ -24,6 +24,8 @@ from kfacx._jaxpr._interpret import (
     is_scan,
     is_tag_eqn,
     read,
+    scan_counts,
+    scan_params,
     sub_jaxprs,
     unsupported_container,
 )
@@ -72,6 +74,8 @@ __all__ = [
     "is_tag_eqn",
     "leaf_origin",
     "read",
+    "scan_counts",
+    "scan_params",
     "scan_body_origins",
     "sink_invariants",
     "tag_ancestors",

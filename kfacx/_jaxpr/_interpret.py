@@ -8,10 +8,13 @@ hook, ``eval_eqn(eqn, invals) -> outvals``, which defaults to binding the equati
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
+import jax
 import jax.extend as jex
+import jax.numpy as jnp
 
 from kfacx import tags
 
@@ -121,6 +124,50 @@ def call_body(eqn: JaxprEqn) -> tuple[Jaxpr, Sequence[Any]] | None:
 def is_scan(eqn: JaxprEqn) -> bool:
     """Whether the equation is a `lax.scan`."""
     return eqn.primitive.name == "scan"
+
+
+def scan_counts(params: dict) -> tuple[int, int]:
+    """``(num_consts, num_carry)`` of a scan equation's ``params``: jax <= 0.11 names
+    them; jax 0.12 gives the groups of the operands as ``ft_in`` (consts, carry, xs)."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)
+
+
+def scan_params(params: dict, num_consts: int, num_operands: int, num_outputs: int) -> dict:
+    """A scan's ``params`` for ``num_operands`` operands of which ``num_consts`` consts
+    and ``num_outputs`` outputs (the carry unchanged); in jax 0.12's form, the operand and
+    output groups are taken from a scan of that shape traced with `jax.lax.scan`."""
+    num_carry = scan_counts(params)[1]
+    if "num_consts" in params:
+        return dict(params, num_consts=num_consts)
+    groups = _scan_groups(
+        num_consts,
+        num_carry,
+        num_operands - num_consts - num_carry,
+        num_outputs - num_carry,
+        params["length"],
+    )
+    return dict(params, ft_in=groups[0], ft_out=groups[1])
+
+
+@functools.cache
+def _scan_groups(num_consts: int, num_carry: int, num_xs: int, num_ys: int, length: int):
+    def scan(consts, carry, xs):
+        def body(carry, x):  # every output computed (none forwarded), every operand used
+            total = sum(consts, 0.0) + sum(x, 0.0)
+            return [c + total for c in carry], [total * (i + 2.0) for i in range(num_ys)]
+
+        return jax.lax.scan(body, carry, xs, length=length)
+
+    closed = jax.make_jaxpr(scan)(
+        [jnp.float32(1.0)] * num_consts,
+        [jnp.float32(1.0)] * num_carry,
+        [jnp.ones((length,), jnp.float32)] * num_xs,
+    )
+    (eqn,) = [e for e in closed.jaxpr.eqns if is_scan(e)]
+    return eqn.params["ft_in"], eqn.params["ft_out"]
 
 
 def is_cond(eqn: JaxprEqn) -> bool:

@@ -24,6 +24,7 @@ from kfacx._jaxpr._interpret import (
     is_cond,
     is_scan,
     is_tag_eqn,
+    scan_counts,
     unsupported_container,
 )
 
@@ -109,7 +110,7 @@ def scan_body_origins(eqn: JaxprEqn, origins: Sequence[Any], level: int = 0) -> 
     the carry is computed (None); an ``xs`` operand labelled ``o`` gives
     ``ScanSlice(o, level)`` (``level``: the depth of this scan among nested ones).
     """
-    nc, ncarry = eqn.params["num_consts"], eqn.params["num_carry"]
+    nc, ncarry = scan_counts(eqn.params)
     xs = [None if o is None else ScanSlice(o, level) for o in origins[nc + ncarry :]]
     return [*origins[:nc], *([None] * ncarry), *xs]
 

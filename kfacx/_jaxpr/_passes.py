@@ -16,6 +16,8 @@ from kfacx._jaxpr._interpret import (
     eval_jaxpr,
     is_scan,
     is_tag_eqn,
+    scan_counts,
+    scan_params,
     sub_jaxprs,
 )
 
@@ -151,7 +153,7 @@ def _closed(body: Any) -> jex.core.ClosedJaxpr:
 
 
 def _sink_scan(eqn: JaxprEqn, producers: dict, roots: set) -> JaxprEqn:
-    nc = eqn.params["num_consts"]
+    nc = scan_counts(eqn.params)[0]
     recipes = [_recipe(v, producers, roots) for v in eqn.invars[:nc]]
     body = eqn.params["jaxpr"]
     if not any(recipes):
@@ -163,10 +165,11 @@ def _sink_scan(eqn: JaxprEqn, producers: dict, roots: set) -> JaxprEqn:
     if sunk is None:
         return eqn  # (keep the scan as it is rather than add operands)
     operands, new = sunk
-    params = dict(eqn.params, jaxpr=new, num_consts=len(operands))
+    invars = [*operands, *eqn.invars[nc:]]
+    params = scan_params(dict(eqn.params, jaxpr=new), len(operands), len(invars), len(eqn.outvars))
     if "linear" in params:
         params["linear"] = (False,) * len(operands) + tuple(params["linear"][nc:])
-    return eqn.replace(invars=[*operands, *eqn.invars[nc:]], params=params)
+    return eqn.replace(invars=invars, params=params)
 
 
 def _recipe(var: Any, producers: dict, roots: set) -> list[JaxprEqn] | None:
@@ -278,7 +281,7 @@ def _dce(jaxpr: Jaxpr, used_outputs: Sequence[bool]) -> Jaxpr:
 def _prune_scan(eqn: JaxprEqn, used: Sequence[bool]) -> JaxprEqn:
     """Drops a scan's unused stacked outputs (``ys``: e.g. the residuals a
     differentiated scan saves for its backward pass) and what only they need."""
-    ncarry = eqn.params["num_carry"]
+    ncarry = scan_counts(eqn.params)[1]
     keep = [True] * ncarry + list(used[ncarry:])
     body = eqn.params["jaxpr"]
     inner = _dce(body.jaxpr, keep)
@@ -286,6 +289,7 @@ def _prune_scan(eqn: JaxprEqn, used: Sequence[bool]) -> JaxprEqn:
         return eqn
     outvars = [v for v, k in zip(eqn.outvars, keep, strict=True) if k]
     params = dict(eqn.params, jaxpr=jex.core.ClosedJaxpr(inner, body.consts))
+    params = scan_params(params, scan_counts(params)[0], len(eqn.invars), len(outvars))
     return eqn.replace(params=params, outvars=outvars)
 
 

@@ -18,6 +18,7 @@ from kfacx._jaxpr._interpret import (
     is_cond,
     is_scan,
     is_tag_eqn,
+    scan_counts,
     unsupported_container,
 )
 from kfacx._jaxpr._origins import count_tag_sites
@@ -102,7 +103,7 @@ def _eval_scan(eqn, invals, on_tag: OnTag, site_inputs: Iterator, sites: list) -
     """A scan whose body holds tags, by `jax.lax.scan` (see `eval_jaxpr_sites`)."""
     params = eqn.params
     body = params["jaxpr"]
-    nc, ncarry = params["num_consts"], params["num_carry"]
+    nc, ncarry = scan_counts(params)
     consts, init, xs = invals[:nc], invals[nc : nc + ncarry], invals[nc + ncarry :]
     extras = [next(site_inputs) for _ in range(count_tag_sites(body.jaxpr))]
 

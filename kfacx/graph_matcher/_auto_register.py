@@ -130,7 +130,7 @@ def _without_stacked_dense(matches: list[Match], notes: list) -> list[Match]:
 
 
 def _note_scan_carry(eqn, ins, notes: list) -> None:
-    nc, ncarry = eqn.params["num_consts"], eqn.params["num_carry"]
+    nc, ncarry = _jaxpr.scan_counts(eqn.params)
     carried = tuple(_jaxpr.leaf_origin(o) for o in ins[nc : nc + ncarry] if o is not None)
     if carried:
         notes.append(
@@ -282,7 +282,8 @@ def _rebind_scan(eqn, invals, plan: _Plan):
         jaxpr = jaxpr.replace(constvars=[], invars=[*jaxpr.constvars, *jaxpr.invars])
         invals = [*tagged.consts, *invals]
         tagged = jex.core.ClosedJaxpr(jaxpr, ())
-        params["num_consts"] += k
+        nc = _jaxpr.scan_counts(params)[0]
+        params = _jaxpr.scan_params(params, nc + k, len(invals), len(eqn.outvars))
         if "linear" in params:
             params["linear"] = (False,) * k + tuple(params["linear"])
     params["jaxpr"] = tagged

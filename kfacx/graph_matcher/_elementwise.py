@@ -132,7 +132,7 @@ def body_constants(constants: Constants, eqn: Any, body: Any) -> Constants:
     of ``constants``: its own constants, and its inputs whose operands are constants
     there (a mask closed over by a `lax.scan` or `jax.checkpoint` body is an operand)."""
     if body.scan is not None:
-        nc = eqn.params["num_consts"]
+        nc = _jaxpr.scan_counts(eqn.params)[0]
         operands, closed = eqn.invars[:nc], eqn.params["jaxpr"]
     elif body.branch is not None:
         operands, closed = eqn.invars[1:], eqn.params["branches"][body.branch[1]]
