@@ -14,7 +14,7 @@ import numpy as np
 
 from kfacx import _jaxpr, _user_warnings, tags
 from kfacx._paths import checked_param_paths, param_origins
-from kfacx.graph_matcher import _elementwise, _views
+from kfacx.graph_matcher import _custom_rules, _elementwise, _views
 from kfacx.graph_matcher._claims import MANUAL, AmbiguousPatternsError
 from kfacx.graph_matcher._defaults import DEFAULT_GRAPH_PATTERNS
 from kfacx.graph_matcher._match import Match, find_matches
@@ -198,39 +198,6 @@ def _bind_tag(match: Match, value, inputs, params):
 
 
 _CUSTOM_DERIVATIVES = ("custom_jvp_call", "custom_vjp_call")
-_CHECKED_RULES: dict[int, tuple[Any, bool]] = {}
-
-
-def _rule_differs(eqn) -> bool:
-    """Whether a custom-derivative call's rule gives another JVP than its body, at random
-    float inputs and tangents of its operands' shapes (True when that cannot be checked:
-    operands that are not float or integer arrays)."""
-    body, consts = _jaxpr.call_body(eqn)
-    rng = np.random.default_rng(0)
-    primals, tangents = [], []
-    for v in eqn.invars:
-        dtype = np.dtype(v.aval.dtype) if hasattr(v.aval, "dtype") else None
-        if dtype is None or not (
-            np.issubdtype(dtype, np.floating) or np.issubdtype(dtype, np.integer)
-        ):
-            return True
-        if np.issubdtype(dtype, np.floating):
-            primals.append(rng.standard_normal(v.aval.shape).astype(dtype))
-            tangents.append(rng.standard_normal(v.aval.shape).astype(dtype))
-        else:
-            primals.append(np.zeros(v.aval.shape, dtype))
-            tangents.append(np.zeros(v.aval.shape, jax.dtypes.float0))
-    try:
-        with jax.ensure_compile_time_eval():  # eagerly, also under the tagged function's trace
-            _, by_rule = jax.jvp(lambda *a: _jaxpr.bind_eqn(eqn, list(a)), primals, tangents)
-            _, by_body = jax.jvp(lambda *a: _jaxpr.eval_jaxpr(body, consts, a), primals, tangents)
-            by_rule, by_body = jax.device_get((by_rule, by_body))
-    except Exception:  # noqa: BLE001 - a rule that cannot run here is not checked
-        return True
-    return not all(
-        np.allclose(np.asarray(r, np.float64), np.asarray(b, np.float64), rtol=1e-3, atol=1e-5)
-        for r, b in zip(by_rule, by_body, strict=True)
-    )
 
 
 def _rebind_custom(eqn, invals, plan: _Plan):
@@ -238,16 +205,14 @@ def _rebind_custom(eqn, invals, plan: _Plan):
 
     The tracer evaluates a tagged body in place to read its layers, so the gradient it
     computes is the body's own derivative. When the rule computes another one (checked
-    once per equation, `_rule_differs`), a warning says so."""
-    if id(eqn) not in _CHECKED_RULES:  # the equation is kept, so its id stays its own
-        _CHECKED_RULES[id(eqn)] = (eqn, _rule_differs(eqn))
-        if _CHECKED_RULES[id(eqn)][1]:
-            _warn(
-                f"kfacx: layers were found inside a `{eqn.primitive.name}` whose derivative "
-                "rule differs from its body's derivative; kfacx differentiates the body to "
-                "read the layers, so the gradient is the body's, not the rule's. Register "
-                "the layers outside the custom-derivative function to keep the rule."
-            )
+    once per equation, `_custom_rules.rule_differs`), a warning says so."""
+    if _custom_rules.first_check_differs(eqn):
+        _warn(
+            f"kfacx: layers were found inside a `{eqn.primitive.name}` whose derivative "
+            "rule differs from its body's derivative; kfacx differentiates the body to "
+            "read the layers, so the gradient is the body's, not the rule's. Register "
+            "the layers outside the custom-derivative function to keep the rule."
+        )
     body, consts = _jaxpr.call_body(eqn)
     avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in body.invars]
     tagged_body = jax.make_jaxpr(lambda *a: _evaluate(body, consts, a, plan))(*avals)
