@@ -13,7 +13,8 @@ from kfacx.graph_matcher._defaults import (
     conv_parameters_extractor,
     dense_parameters_extractor,
 )
-from kfacx.graph_matcher._match import Match, find_matches
+from kfacx.graph_matcher._graph import Match
+from kfacx.graph_matcher._match import find_matches
 from kfacx.graph_matcher._pattern import GraphPattern
 from kfacx.graph_matcher._report import RegistrationEntry, RegistrationReport
 

@@ -4,14 +4,11 @@ tied weights, and the ambiguity of two patterns of equal precedence matching one
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from kfacx import _views as views_meta
 from kfacx.graph_matcher import _views
+from kfacx.graph_matcher._graph import Match
 from kfacx.graph_matcher._pattern import GraphPattern
-
-if TYPE_CHECKING:
-    from kfacx.graph_matcher._match import Match
 
 #: The claim of a parameter that is tagged by hand in the model.
 MANUAL = ("manual",)

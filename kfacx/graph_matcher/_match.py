@@ -29,103 +29,11 @@ from kfacx import _jaxpr, tags
 from kfacx import _views as views_meta
 from kfacx.graph_matcher import _elementwise, _views
 from kfacx.graph_matcher._claims import MANUAL, can_tie, check_unambiguous, claim_key
+from kfacx.graph_matcher._graph import SHAPE_ONLY, Graph, Match
 from kfacx.graph_matcher._pattern import OUTPUT_PERMUTATION, GraphPattern
-from kfacx.graph_matcher._verify import SHAPE_ONLY, verified
+from kfacx.graph_matcher._verify import verified
 
 _COMMUTATIVE = {"add", "mul", "add_any"}
-
-
-@dataclasses.dataclass
-class Match:
-    """One occurrence of a pattern in a jaxpr.
-
-    Attributes:
-      pattern: the matched `GraphPattern`.
-      eqns: the matched equations (images of the pattern's equations, and the
-        elementwise maps of its parameters), in jaxpr order.
-      input_vars: the values bound to the pattern's inputs.
-      param_vars: the parameter-leaf values bound to the pattern's parameters.
-      param_leaves: the parameter-leaf indices of ``param_vars``.
-      output_var: the value the tag wraps.
-      meta: the tag's static metadata from the extractor.
-      stacked: whether the parameters are slices of a scan's ``xs`` (a stacked
-        layer, e.g. `hk.layer_stack`) rather than whole parameter leaves.
-      output_permutation: None, or the permutation that takes the tag's output
-        layout to the matched output's (`kfacx.graph_matcher._pattern.OUTPUT_PERMUTATION`).
-      view_eqns: the equations that concatenate parameter leaves into the layer's
-        parameters, when they are views (`kfacx.graph_matcher._views`: ``meta`` then
-        holds the view expressions, and ``param_vars`` the leaves).
-    """
-
-    pattern: GraphPattern
-    eqns: list[Any]
-    input_vars: list[Any]
-    param_vars: list[Any]
-    param_leaves: list[int]
-    output_var: Any
-    meta: dict[str, Any]
-    stacked: bool = False
-    output_permutation: tuple[int, ...] | None = None
-    view_eqns: list[Any] = dataclasses.field(default_factory=list)
-
-
-class _Graph:
-    """Producers, users and parameter origins of one (open) jaxpr; its equations by
-    primitive name; the leading sizes the batch's arrays have (None: unknown); the match
-    that owns each claimed equation (by id); its constants (`_elementwise.Constants`)."""
-
-    def __init__(
-        self, jaxpr: jex.core.Jaxpr, origins: Sequence[Any], batch_sizes=None, consts=None
-    ):
-        self.jaxpr = jaxpr
-        self.constants = consts or _elementwise.Constants(jaxpr)
-        self.batch_sizes = None if batch_sizes is None else frozenset(batch_sizes)
-        self.origin = dict(zip(jaxpr.invars, origins, strict=True))
-        self.order = {id(e): i for i, e in enumerate(jaxpr.eqns)}
-        self.producer: dict[Any, Any] = {}
-        self.users: dict[Any, list[Any]] = {}
-        self.by_primitive: dict[str, list[Any]] = {}
-        self.owner: dict[int, Match] = {}
-        for eqn in jaxpr.eqns:
-            self.by_primitive.setdefault(eqn.primitive.name, []).append(eqn)
-            for v in eqn.outvars:
-                self.producer[v] = eqn
-            for v in eqn.invars:
-                if not isinstance(v, jex.core.Literal):
-                    self.users.setdefault(v, []).append(eqn)
-        self.outvars = {v for v in jaxpr.outvars if not isinstance(v, jex.core.Literal)}
-
-    def param_leaf(self, var) -> tuple[Any, list[Any]] | None:
-        """Follows shape-only producers back to a parameter leaf: ``(leaf_var, chain)``."""
-        chain = []
-        while self.origin.get(var) is None:
-            eqn = self.producer.get(var)
-            if eqn is None or eqn.primitive.name not in SHAPE_ONLY:
-                return None
-            chain.append(eqn)
-            var = eqn.invars[0]
-            if isinstance(var, jex.core.Literal):
-                return None
-        return var, chain
-
-    def candidates(self, pattern: GraphPattern) -> list[Any]:
-        """The equations that can compute the pattern's output, in order (the end of a
-        shape-only chain for a pattern without inputs)."""
-        if pattern.num_inputs:
-            return self.by_primitive.get(pattern.output_primitive, [])
-        eqns = [e for name in SHAPE_ONLY for e in self.by_primitive.get(name, [])]
-        return sorted(eqns, key=lambda e: self.order[id(e)])
-
-    def chain_end(self, var) -> bool:
-        """Whether ``var`` is used by something other than a shape-only operation."""
-        if var in self.outvars:
-            return True
-        return any(u.primitive.name not in SHAPE_ONLY for u in self.users.get(var, []))
-
-    def used_as_parameter(self, var, leaf) -> bool:
-        """Whether a match reads ``var`` as its parameter ``leaf`` (a broadcast bias)."""
-        owners = (self.owner.get(id(u)) for u in self.users.get(var, []))
-        return any(m is not None and leaf in m.param_vars for m in owners)
 
 
 @dataclasses.dataclass
@@ -148,7 +56,7 @@ class _State:
 
 
 class _Unifier:
-    def __init__(self, pattern: GraphPattern, graph: _Graph, claimed: set[int]):
+    def __init__(self, pattern: GraphPattern, graph: Graph, claimed: set[int]):
         p = pattern.jaxpr
         self.graph = graph
         self.claimed = claimed
@@ -226,7 +134,7 @@ class _Unifier:
         return state
 
 
-def _internal_values_escape(graph: _Graph, eqns: list[Any], output_var) -> bool:
+def _internal_values_escape(graph: Graph, eqns: list[Any], output_var) -> bool:
     """Whether a value computed inside the match is used outside of it."""
     inside = {id(e) for e in eqns}
     for eqn in eqns:
@@ -491,7 +399,7 @@ def find_matches(
     and what they compute).
     """
     notes = [] if notes is None else notes
-    graph = _Graph(jaxpr, origins, batch_sizes, constants)
+    graph = Graph(jaxpr, origins, batch_sizes, constants)
     _views.mixed_concatenation_notes(graph, notes)
     claimed: set[int] = set()
     matches: list[Match] = []
@@ -512,7 +420,7 @@ def find_matches(
     return matches
 
 
-def _match_pattern(pattern, graph: _Graph, claimed: set[int], claims: dict, notes) -> list[Match]:
+def _match_pattern(pattern, graph: Graph, claimed: set[int], claims: dict, notes) -> list[Match]:
     """All matches of one pattern, given what higher-precedence patterns claimed."""
     out = []
     for eqn in graph.candidates(pattern):

@@ -9,7 +9,7 @@ blocks are checked once.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.extend as jex
@@ -17,26 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from kfacx import _compile, _jaxpr, _views
-
-if TYPE_CHECKING:
-    from kfacx.graph_matcher._match import Match, _Graph
-
-#: Operations that only change an array's shape or dtype: followed from a
-#: parameter leaf to its uses (a broadcast bias is still the bias; a tile repeats it,
-#: and the numerical check rejects a match whose tag reads it otherwise).
-SHAPE_ONLY = {
-    "broadcast_in_dim",
-    "tile",
-    "reshape",
-    "convert_element_type",
-    "squeeze",
-    "expand_dims",
-    "copy",
-    "copy_p",
-}
+from kfacx.graph_matcher._graph import SHAPE_ONLY, Graph, Match
 
 
-def _subgraph_eqns(graph: _Graph, eqns, param_vars, view_eqns=()) -> list[Any]:
+def _subgraph_eqns(graph: Graph, eqns, param_vars, view_eqns=()) -> list[Any]:
     """The matched equations and the shape-only chains from the parameter leaves (and, for
     parameters concatenated from leaves, the concatenations and the chains from them), in
     order."""
@@ -47,7 +31,7 @@ def _subgraph_eqns(graph: _Graph, eqns, param_vars, view_eqns=()) -> list[Any]:
     return sorted(chain_eqns.values(), key=lambda e: graph.order[id(e)])
 
 
-def _constants(graph: _Graph, todo) -> dict[Any, Any]:
+def _constants(graph: Graph, todo) -> dict[Any, Any]:
     """The known constants the equations read (those of elementwise maps: ``w * mask``)."""
     values = graph.constants.values
     return {
@@ -112,7 +96,7 @@ def _structure(match: Match, todo) -> tuple | None:
     return None if "..." in repr(key) else (match.pattern, *key)
 
 
-def _chains_from(graph: _Graph, var) -> list[Any]:
+def _chains_from(graph: Graph, var) -> list[Any]:
     out, frontier = [], [var]
     while frontier:
         v = frontier.pop()
@@ -141,7 +125,7 @@ _VERIFIED: dict[tuple, bool] = {}
 _VERIFIED_MAX = 4096
 
 
-def verified(match: Match, graph: _Graph) -> bool:
+def verified(match: Match, graph: Graph) -> bool:
     """Numerical check: the matched equations equal the tag's compute function."""
     if match.pattern.tag_primitive.compute is None:
         return True

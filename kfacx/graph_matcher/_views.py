@@ -42,7 +42,7 @@ import jax.extend as jex
 
 from kfacx import _jaxpr, _views
 from kfacx.graph_matcher import _elementwise
-from kfacx.graph_matcher._verify import SHAPE_ONLY
+from kfacx.graph_matcher._graph import SHAPE_ONLY
 
 #: The note of a concatenation that mixes parameters with other values (its leaves are
 #: dropped from it when a layer serves them elsewhere, see `unserved_leaves`).
