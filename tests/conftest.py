@@ -22,7 +22,15 @@ import atexit
 import importlib.metadata
 import os
 import shutil
+import sys
 import tempfile
+
+# Bytecode is cached even where the environment says not to (PYTHONDONTWRITEBYTECODE,
+# as on this project's CI machines): otherwise every xdist worker and every subprocess
+# a test starts compiles JAX, Flax, the tests and kfacx from source again (about 11 s
+# of CPU for each process that collects the suite).
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 _DEVICES = "--xla_force_host_platform_device_count=4"
 _FAST = "--xla_backend_optimization_level=0 --xla_cpu_parallel_codegen_split_count=1"
