@@ -59,6 +59,7 @@ from kfacx.blocks._base import (
     zeros,
 )
 from kfacx.blocks._norms import Factor, kronecker_pieces
+from kfacx.blocks._wrapper import WrapperBlock
 
 #: The estimation-data key of ``f'(theta)``, shaped like the layer's parameters.
 MAP_SCALES = "params_scales"
@@ -77,7 +78,7 @@ class MappedCache(NamedTuple):
     scales: jax.Array
 
 
-class MappedBlock(CurvatureBlock):
+class MappedBlock(WrapperBlock):
     """The curvature ``D C D`` of a layer computing with ``w = f(theta)``, ``f`` elementwise
     with Jacobian ``D = diag(f'(theta))`` (see the module docstring for the powers).
 
@@ -117,35 +118,17 @@ class MappedBlock(CurvatureBlock):
     def _wrap(inner_state: BlockState, scales: jax.Array) -> BlockState:
         return BlockState(inner_state.factors, MappedCache(inner_state.cache, scales))
 
-    def factor_shapes(self):
-        return self.inner.factor_shapes()
-
     def statistics_shapes(self):
         """The inner block's, ``d`` ``[dim]`` and a scalar 1."""
         return (*self.inner.statistics_shapes(), (self.dim,), ())
 
-    @property
-    def statistics_need_state(self) -> bool:  # type: ignore[override]
-        """The inner block's."""
-        return self.inner.statistics_need_state
-
-    def init(
-        self,
-        rng: jax.Array,
-        exact_powers_to_cache: Sequence[float] = (),
-        approx_powers_to_cache: Sequence[float] = (),
-        cache_eigenvalues: bool = False,
-    ) -> BlockState:
+    def inner_init(self, rng, exact, approx, cache_eigenvalues) -> BlockState:
         """The inner block's fresh state, and ``d = 0``."""
-        inner = self.inner.init(
-            rng, exact_powers_to_cache, approx_powers_to_cache, cache_eigenvalues
-        )
+        inner = self.inner.init(rng, exact, approx, cache_eigenvalues)
         return self._wrap(inner, zeros((self.dim,), self.dtype))
 
-    def init_cache(self, exact_powers_to_cache, approx_powers_to_cache, cache_eigenvalues):
-        inner = self.inner.init_cache(
-            exact_powers_to_cache, approx_powers_to_cache, cache_eigenvalues
-        )
+    def inner_init_cache(self, exact, approx, cache_eigenvalues):
+        inner = self.inner.init_cache(exact, approx, cache_eigenvalues)
         return MappedCache(inner, zeros((self.dim,), self.dtype))
 
     # ---------------------------------------------------------------- statistics

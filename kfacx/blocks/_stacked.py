@@ -37,6 +37,7 @@ import numpy as np
 from kfacx.blocks._base import BlockState, CurvatureBlock, InverseRefresh, LayerInfo, Params
 from kfacx.blocks._diagonal_full import _AbstractFull
 from kfacx.blocks._kronecker import TwoKroneckerFactored
+from kfacx.blocks._wrapper import WrapperBlock
 
 #: `update_cache` implementations that accept states with extra leading (stack) axes.
 _STACK_AWARE_UPDATE_CACHE = (TwoKroneckerFactored.update_cache, _AbstractFull.update_cache)
@@ -46,7 +47,7 @@ _STACK_AWARE_UPDATE_CACHE = (TwoKroneckerFactored.update_cache, _AbstractFull.up
 DATA_LAYER_AXES = {"inputs": 0, "outputs": 0, "params": 0, "outputs_tangent": 1}
 
 
-class StackedBlock(CurvatureBlock):
+class StackedBlock(WrapperBlock):
     """Block-diagonal curvature over the slices of a stacked layer.
 
     Args:
@@ -94,29 +95,15 @@ class StackedBlock(CurvatureBlock):
     def statistics_shapes(self):
         return tuple((self.stack_size, *s) for s in self.inner.statistics_shapes())
 
-    @property
-    def statistics_need_state(self) -> bool:  # type: ignore[override]
-        """The inner block's."""
-        return self.inner.statistics_need_state
-
-    def init(
-        self,
-        rng: jax.Array,
-        exact_powers_to_cache: Sequence[float] = (),
-        approx_powers_to_cache: Sequence[float] = (),
-        cache_eigenvalues: bool = False,
-    ) -> BlockState:
+    def inner_init(self, rng, exact, approx, cache_eigenvalues) -> BlockState:
         """The inner block's fresh state for each slice (one rng per slice), stacked."""
-        exact, approx = tuple(exact_powers_to_cache or ()), tuple(approx_powers_to_cache or ())
         rngs = jax.random.split(rng, self.stack_size)
         return jax.vmap(lambda r: self.inner.init(r, exact, approx, cache_eigenvalues))(rngs)
 
-    def init_cache(self, exact_powers_to_cache, approx_powers_to_cache, cache_eigenvalues):
-        return jax.vmap(
-            lambda _: self.inner.init_cache(
-                exact_powers_to_cache, approx_powers_to_cache, cache_eigenvalues
-            )
-        )(jnp.zeros((self.stack_size,)))
+    def inner_init_cache(self, exact, approx, cache_eigenvalues):
+        return jax.vmap(lambda _: self.inner.init_cache(exact, approx, cache_eigenvalues))(
+            jnp.zeros((self.stack_size,))
+        )
 
     # ---------------------------------------------------------------- statistics
 

@@ -39,6 +39,7 @@ from kfacx.blocks._base import (
 )
 from kfacx.blocks._mapped import MAP_SCALES, MappedBlock
 from kfacx.blocks._norms import kronecker_pieces
+from kfacx.blocks._wrapper import WrapperBlock
 
 
 def effective_layer(layer: LayerInfo) -> LayerInfo:
@@ -58,7 +59,7 @@ def effective_layer(layer: LayerInfo) -> LayerInfo:
     )
 
 
-class ViewBlock(CurvatureBlock):
+class ViewBlock(WrapperBlock):
     """The curvature block of a layer whose parameters are built from parameter leaves
     by concatenation (see the module docstring).
 
@@ -144,36 +145,6 @@ class ViewBlock(CurvatureBlock):
 
     def _scatter_like(self, parameters: Sequence[jax.Array], like: Sequence[jax.Array]) -> Params:
         return tuple(p.astype(v.dtype) for p, v in zip(self.scatter(parameters), like, strict=True))
-
-    # ---------------------------------------------------------------- state
-
-    def factor_shapes(self):
-        return self.inner.factor_shapes()
-
-    def statistics_shapes(self):
-        return self.inner.statistics_shapes()
-
-    @property
-    def statistics_need_state(self) -> bool:  # type: ignore[override]
-        """The inner block's."""
-        return self.inner.statistics_need_state
-
-    def init(
-        self,
-        rng: jax.Array,
-        exact_powers_to_cache: Sequence[float] = (),
-        approx_powers_to_cache: Sequence[float] = (),
-        cache_eigenvalues: bool = False,
-    ) -> BlockState:
-        """The inner block's fresh state."""
-        return self.inner.init(
-            rng, exact_powers_to_cache, approx_powers_to_cache, cache_eigenvalues
-        )
-
-    def init_cache(self, exact_powers_to_cache, approx_powers_to_cache, cache_eigenvalues):
-        return self.inner.init_cache(
-            exact_powers_to_cache, approx_powers_to_cache, cache_eigenvalues
-        )
 
     # ---------------------------------------------------------------- statistics
 
