@@ -28,7 +28,9 @@ def unsupported(name: str, instead: str) -> Any:
 
 def unsupported_class(name: str, instead: str) -> type:
     """A class that raises `NotImplementedError` naming ``instead`` when instantiated or
-    subclassed."""
+    subclassed. It can be subscripted (``CurvatureEstimator[StateType]`` in a
+    signature, as kfac-jax's generic classes are), so that code merely naming it in an
+    annotation imports."""
     message = _message(name, instead)
 
     def init_subclass(cls, **kwargs: Any) -> None:
@@ -39,12 +41,17 @@ def unsupported_class(name: str, instead: str) -> type:
         del cls, args, kwargs
         raise NotImplementedError(message)
 
+    def class_getitem(cls, params: Any) -> type:
+        del params
+        return cls
+
     return type(
         name.rsplit(".", 1)[-1],
         (),
         {
             "__doc__": message,
             "__init_subclass__": classmethod(init_subclass),
+            "__class_getitem__": classmethod(class_getitem),
             "__new__": new,
             "kfacx_unsupported": message,
         },

@@ -147,6 +147,7 @@ def test_unsupported_names_say_what_to_use(name):
     if isinstance(stub, type):
         with pytest.raises(NotImplementedError, match="not served by kfacx.kfac_jax"):
             type("Sub", (stub,), {})
+        assert stub[int] is stub  # a generic in kfac-jax: annotations name it subscripted
 
 
 def test_there_are_unsupported_names():
