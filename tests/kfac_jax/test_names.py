@@ -6,6 +6,7 @@ from __future__ import annotations
 import types
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -215,3 +216,38 @@ def test_step_takes_one_of_batch_and_iterator():
     opt = kfac_jax.Optimizer(lambda p, b: (0.0, p), learning_rate_schedule=lambda t: 0.1)
     with pytest.raises(ValueError, match="exactly one"):
         opt.step({}, None, jax.random.PRNGKey(0))
+
+
+def test_estimator_sync_and_none_entries_as_kfac_jax_tests_use_them():
+    """kfac-jax's test utilities call ``estimator.sync(state, pmap_axis_name="i")`` under
+    ``jax.jit`` (no pmap: nothing to average) and pass ``conv2d=None`` for a variant the
+    model does not use (the default stays)."""
+    ctors = kfac_jax.curvature_estimator.kfacx_block_ctors(dict(conv2d=None))
+    default = kfac_jax.curvature_estimator.kfacx_block_ctors(None)
+    assert {k: repr(v) for k, v in ctors.items()} == {k: repr(v) for k, v in default.items()}
+
+    def loss(params, x):
+        y = kfac_jax.register_dense(x @ params["w"], x, params["w"])
+        kfac_jax.register_squared_error_loss(y, jnp.zeros_like(y))
+        return jnp.sum(y**2)
+
+    params, x = {"w": jnp.ones((3, 2))}, jnp.ones((4, 3))
+    est = kfac_jax.BlockDiagonalCurvature(loss)
+
+    @jax.jit
+    def run(rng):
+        state = est.init(rng, (params, x))
+        state = est.update_curvature_matrix_estimate(state, 0.0, 1.0, 0.0, 4, rng, (params, x))
+        return state, est.sync(state, pmap_axis_name="i")
+
+    state, synced = run(jax.random.PRNGKey(0))
+    same = jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), state, synced)
+    assert all(jax.tree.leaves(same))
+
+    n = jax.local_device_count()
+    pmapped = jax.pmap(lambda s: est.sync(s, "i"), axis_name="i")
+    one = jax.tree.map(lambda a: jnp.stack([a * (k + 1) for k in range(n)]), state)
+    got = pmapped(one)
+    want = jax.tree.map(lambda a: a * (n + 1) / 2, state.blocks[0].factors)
+    for g, w in zip(jax.tree.leaves(got.blocks[0].factors), jax.tree.leaves(want), strict=True):
+        assert jnp.allclose(g, w[None], rtol=1e-6)
