@@ -166,6 +166,10 @@ class BlockDiagonalCurvature(_estimator.BlockDiagonalCurvature):
             state, ema_old, ema_new, batch_size, rng, func_args, estimation_mode, pmap_axis_name
         )
 
+    def to_diagonal_block_dense_matrix(self, state: Any) -> tuple[Any, ...]:
+        """Each block's dense matrix, in the order of ``self.blocks`` (kfac-jax's)."""
+        return tuple(b.to_dense_matrix(s) for b, s in zip(self.blocks, state.blocks, strict=True))
+
     def sync(self, state: Any, pmap_axis_name: str | None) -> Any:
         """kfac-jax's ``sync``: the moving averages averaged over ``pmap_axis_name`` when
         inside a pmap binding it, else ``state`` (kfacx averages the statistics over the

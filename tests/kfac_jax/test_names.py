@@ -241,6 +241,8 @@ def test_estimator_sync_and_none_entries_as_kfac_jax_tests_use_them():
         return state, est.sync(state, pmap_axis_name="i")
 
     state, synced = run(jax.random.PRNGKey(0))
+    (dense,) = est.to_diagonal_block_dense_matrix(state)
+    assert jnp.allclose(dense, est.to_dense_matrix(state))
     same = jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), state, synced)
     assert all(jax.tree.leaves(same))
 
