@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -14,8 +13,8 @@ import numpy as np
 
 from kfacx import _jaxpr, _user_warnings, tags
 from kfacx._paths import checked_param_paths, param_origins
-from kfacx.graph_matcher import _custom_rules, _elementwise, _views
-from kfacx.graph_matcher._claims import MANUAL, AmbiguousPatternsError
+from kfacx.graph_matcher import _custom_rules, _elementwise, _tagged_sites, _views
+from kfacx.graph_matcher._claims import AmbiguousPatternsError
 from kfacx.graph_matcher._defaults import DEFAULT_GRAPH_PATTERNS
 from kfacx.graph_matcher._match import Match, find_matches
 from kfacx.graph_matcher._pattern import GraphPattern
@@ -295,7 +294,7 @@ def auto_register_tags(
     closed, out_tree = _traced_for_detection(func, func_args)
     paths = list(checked_param_paths(func_args[params_index]))
     origins = param_origins(func_args, params_index, len(closed.jaxpr.invars))
-    manual = _tagged_leaves(closed.jaxpr, origins)
+    manual = _tagged_sites.tagged_leaves(closed.jaxpr, origins)
     sizes = _batch_sizes(func_args, params_index)
     relevant = _jaxpr.loss_ancestors(closed)
     plan, notes = _detect(relevant, origins, list(graph_patterns), paths, sizes)
@@ -347,7 +346,7 @@ def _detect(closed, origins, patterns: list[GraphPattern], paths: list[str], bat
     raw_notes: list[tuple[str, tuple[int, ...]]] = []
     jaxpr, consts = closed.jaxpr, _elementwise.Constants(closed.jaxpr, closed.consts)
     shapes = {o: v.aval.shape for o, v in zip(origins, jaxpr.invars, strict=True) if o is not None}
-    claims = _manual_claims(jaxpr, origins)
+    claims = _tagged_sites.manual_claims(jaxpr, origins)
     try:
         plan = _plan(jaxpr, origins, patterns, dict(claims), raw_notes, 0, batch_sizes, consts)
     except AmbiguousPatternsError as e:
@@ -405,7 +404,7 @@ def _check_unmatched(paths: list[str], sources: dict[int, str], on_unmatched: st
 def _entries(tagged, func_args, origins, paths, sources) -> tuple[RegistrationEntry, ...]:
     """The report's entries, which follow the tags of the tagged function (evaluation order)."""
     tagged_jaxpr = jax.make_jaxpr(tagged)(*_specs(func_args)).jaxpr
-    final = _tagged_leaves(tagged_jaxpr, origins)
+    final = _tagged_sites.tagged_leaves(tagged_jaxpr, origins)
     return tuple(
         RegistrationEntry(
             path,
@@ -417,77 +416,6 @@ def _entries(tagged, func_args, origins, paths, sources) -> tuple[RegistrationEn
         )
         for i, path in enumerate(paths)
     )
-
-
-def _manual_claims(jaxpr, origins) -> dict[int, tuple]:
-    claims = {}
-    for eqn, ins, *_ in _jaxpr.tag_sites(jaxpr, origins):
-        tag = tags.layer_tag_for(eqn.primitive)
-        if tag is not None:
-            claims.update(
-                {_jaxpr.leaf_origin(o): MANUAL for o in tag.split(ins)[2] if o is not None}
-            )
-    return claims
-
-
-def _tagged_leaves(jaxpr, origins) -> dict[int, tuple[str, int, int, int | None, bool]]:
-    """Parameter leaf -> (tag name, layer index, uses, stack size, in branch) for every layer
-    tag, in evaluation order (a layer applied several times with the same parameters, e.g. at
-    every iteration of a scan, is one layer; a scan over its parameters makes a stacked layer;
-    parameters that layer tags of different kinds use make one tied layer, whose tag name
-    lists the kinds: ``"tied(embedding_tag, dense_tag)"``; a layer all of whose uses sit in
-    cond branches is *in branch*)."""
-    out: dict[int, list] = {}
-    kinds: dict[int, list[tuple]] = {}  # leaf -> (tag, meta) of each kind of use
-    layer = 0
-    for site in _jaxpr.tag_sites(jaxpr, origins):
-        tag = tags.layer_tag_for(site.eqn.primitive)
-        if tag is None:
-            continue
-        leaves, uses, size, kind = _use_summary(tag, site)
-        in_branch = bool(site.branches)
-        known = [o for o in leaves if o in out]
-        if not known:
-            out.update({o: [tag.name, layer, uses, size, in_branch] for o in leaves})
-            kinds.update({o: [kind] for o in leaves})
-            layer += 1
-            continue
-        index = out[known[0]][1]
-        for o in leaves:
-            if o not in out:
-                out[o], kinds[o] = [tag.name, index, 0, size, in_branch], []
-            out[o][2] += uses
-            out[o][4] = out[o][4] and in_branch
-            if kind not in kinds[o]:
-                kinds[o].append(kind)
-            if len(kinds[o]) > 1:
-                out[o][0] = _joined_tag_name(kinds[o])
-    return {o: tuple(v) for o, v in out.items()}
-
-
-def _joined_tag_name(kinds: list[tuple]) -> str:
-    """The report's tag of a layer whose parameters several kinds of tags use:
-    ``"sliced(dense_tag, dense_tag)"`` when each reads its own slices of them (e.g. the
-    column blocks of ``hk.GRU``'s ``w_h``), else ``"tied(embedding_tag, dense_tag)"``."""
-    names = ", ".join(name for name, _ in kinds)
-    return f"sliced({names})" if all(_views.sliced(dict(m)) for _, m in kinds) else f"tied({names})"
-
-
-def _use_summary(tag: tags.LayerTag, site: _jaxpr.TagSite) -> tuple[list, int, int | None, tuple]:
-    """``(parameter leaves, uses, stack size or None, kind)`` of one layer tag site: its
-    iterations in scans that do not run over its parameters are uses; a scan over them,
-    or a batch dimension over the weight's leading axis, makes it stacked."""
-    params = [o for o in tag.split(site.origins)[2] if o is not None]
-    levels = {level for o in params for level in _jaxpr.slice_levels(o)}
-    lengths = [int(scan.params["length"]) for scan in site.scans]
-    stacked, length = bool(levels), (lengths[min(levels)] if levels else None)
-    uses = math.prod(n for i, n in enumerate(lengths) if i not in levels)
-    shapes = [v.aval.shape for v in tag.split(site.eqn.invars)[2]]
-    if tags.stacked_input_axis(tag.name, site.eqn.params, shapes) is not None:
-        stacked, length = True, int(shapes[0][0])  # a stacked dense layer (batch dims)
-    kind = (tag.name, tuple(sorted(site.eqn.params.items())))
-    leaves = [_jaxpr.leaf_origin(o) for o in params]
-    return leaves, uses, (length if stacked else None), kind
 
 
 def _tagged_function(closed, out_tree, plan: _Plan, origins, unmatched_leaves: set[int]):
