@@ -176,22 +176,27 @@ def test_tagged_scan_body_constants_become_const_operands():
 
     closed = jax.make_jaxpr(f)(w, x)
     (eqn,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "scan"]
-    nc, body = eqn.params["num_consts"], eqn.params["jaxpr"]
+    nc, body = kfacx._jaxpr.scan_counts(eqn.params)[0], eqn.params["jaxpr"]
     assert nc == 1
-    # Move the const operand into the body's own consts.
+    # Move the const operand into the body's own consts: the body traced again with the
+    # operand's value captured (a const of the traced body, on every JAX version).
     values = dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
-    inner = body.jaxpr.replace(constvars=body.jaxpr.invars[:nc], invars=body.jaxpr.invars[nc:])
-    closed_body = jax.extend.core.ClosedJaxpr(inner, [values[v] for v in eqn.invars[:nc]])
-    eqn = eqn.replace(
-        invars=eqn.invars[nc:], params=dict(eqn.params, num_consts=0, jaxpr=closed_body)
-    )
+    captured = [jnp.asarray(values[v]) for v in eqn.invars[:nc]]
+    closed_body = jax.make_jaxpr(
+        lambda *a: kfacx._jaxpr.eval_jaxpr(body.jaxpr, body.consts, [*captured, *a])
+    )(*[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in body.jaxpr.invars[nc:]])
+    assert len(closed_body.consts) == nc
+    inner = closed_body.jaxpr
+    params = dict(eqn.params, jaxpr=closed_body)
+    params = kfacx._jaxpr.scan_params(params, 0, len(eqn.invars) - nc, len(eqn.outvars))
+    eqn = eqn.replace(invars=eqn.invars[nc:], params=params)
     want = kfacx._jaxpr.bind_eqn(eqn, [x, w])
     origins = kfacx._jaxpr.scan_body_origins(eqn, [None, 0])
     plan = AR._plan(inner, origins, list(kfacx.DEFAULT_GRAPH_PATTERNS), {}, [], True)
     assert [m.stacked for m in plan.matches] == [True]
     tagged = jax.make_jaxpr(lambda x, w: AR._rebind_scan(eqn, [x, w], plan))(x, w)
-    (scan,) = tagged.jaxpr.eqns
-    assert scan.params["num_consts"] == 1 and scan.params["jaxpr"].consts == []
+    (scan,) = [e for e in tagged.jaxpr.eqns if kfacx._jaxpr.is_scan(e)]
+    assert kfacx._jaxpr.scan_counts(scan.params)[0] == 1 and scan.params["jaxpr"].consts == []
     assert kfacx._jaxpr.contains_tags(scan.params["jaxpr"].jaxpr)
     got = jax.extend.core.jaxpr_as_fun(tagged)(x, w)
     for g, v in zip(got, want, strict=True):
