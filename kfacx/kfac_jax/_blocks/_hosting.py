@@ -45,6 +45,12 @@ def _is_average(x: Any) -> bool:
     return isinstance(x, KfacJaxAverage)
 
 
+#: The cache spec of the states a block makes without being given one (the zero state
+#: its statistics are computed on, its factor shapes); a state's own spec is in its
+#: `HostedCache`.
+_NO_CACHE: tuple[tuple, tuple, bool] = ((), (), False)
+
+
 @jax.tree_util.register_pytree_node_class
 class HostedCache:
     """The leaves of a kfac-jax block state other than its moving averages (a kfacx
@@ -79,10 +85,6 @@ class HostedBlock(_kfacx_blocks.CurvatureBlock):
     def __init__(self, layer: _kfacx_blocks.LayerInfo, block_ctor: Any):
         super().__init__(layer)
         self.hosted = block_ctor(layer)
-        # The cache spec of the states this block makes without being given one (the
-        # zero state its statistics are computed on); a state's own spec is in its
-        # `HostedCache`.
-        self._spec: tuple[Any, Any, bool] = ((), (), False)
         self._layouts: dict[tuple, tuple[Any, tuple[bool, ...], tuple, tuple]] = {}
 
     @property
@@ -135,7 +137,7 @@ class HostedBlock(_kfacx_blocks.CurvatureBlock):
     # ------------------------------------------------------------------ kfacx's protocol
 
     def factor_shapes(self) -> tuple[tuple[int, ...], ...]:
-        return self._layout(self._spec)[2]
+        return self._layout(_NO_CACHE)[2]
 
     def init(
         self, rng, exact_powers_to_cache=(), approx_powers_to_cache=(), cache_eigenvalues=False
@@ -176,8 +178,8 @@ class HostedBlock(_kfacx_blocks.CurvatureBlock):
                 for s in self.factor_shapes()
             ),
             HostedCache(
-                tuple(jnp.zeros(c.shape, c.dtype) for c in self._layout(self._spec)[3]),
-                self._spec,
+                tuple(jnp.zeros(c.shape, c.dtype) for c in self._layout(_NO_CACHE)[3]),
+                _NO_CACHE,
             ),
         )
 
