@@ -180,7 +180,10 @@ class BlockDiagonalCurvature:
                 f"Parameters {missing} are used by no layer tag. Register their layers (e.g. "
                 "kfacx.register_dense(y, x, w, b)) or tag them with kfacx.register_generic(p)."
             )
-        self._blocks = tuple(self._make_block(layer) for layer in traced.layers)
+        self._blocks = tuple(
+            self._make_block(layer, leaves)
+            for layer, leaves in zip(traced.layers, traced.layer_param_leaves, strict=True)
+        )
         # Per block: the shape of its coverage (a layer used only in cond branches), or None.
         self._coverage_shapes = tuple(
             (() if layer.stack_size is None else (layer.stack_size,)) if conditional else None
@@ -189,7 +192,12 @@ class BlockDiagonalCurvature:
         self._traced = traced
         return traced
 
-    def _make_block(self, layer: blocks_lib.LayerInfo) -> blocks_lib.CurvatureBlock:
+    def _make_block(
+        self, layer: blocks_lib.LayerInfo, param_leaves: Sequence[int]
+    ) -> blocks_lib.CurvatureBlock:
+        """The block of ``layer``, whose parameters are the leaves ``param_leaves`` of the
+        parameter pytree (in the tag's order)."""
+        del param_leaves
         return blocks_lib.layer_block(layer, self.layer_tag_to_block_ctor)
 
     @property

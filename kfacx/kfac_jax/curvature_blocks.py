@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax.numpy as jnp
+
 from kfacx import blocks as _kfacx_blocks
 from kfacx.kfac_jax._blocks._block import CurvatureBlock
 from kfacx.kfac_jax._blocks._hosting import HostedBlock, hosted_ctor
@@ -107,10 +109,49 @@ Conv2DTNT = _native("Conv2DTNT", _kfacx_blocks.ConvTNT)
 NaiveTNT = unsupported_class(
     "NaiveTNT", "kfacx serves TNT for dense and convolution layers (kfacx.DenseTNT, kfacx.ConvTNT)"
 )
-ScaledIdentity = unsupported_class(
-    "ScaledIdentity",
-    "a layer's parameters can get kfacx.Diagonal, or be left to the optimizer's damping",
-)
+
+
+class ScaledIdentity(CurvatureBlock):
+    """kfac-jax's block that takes a layer's curvature to be ``scale * I``: it keeps no
+    statistics, and its products are ``(scale + identity_weight)^power v``. It runs
+    hosted, as any kfac-jax block subclass does."""
+
+    def __init__(self, layer_tag_eq: Any, scale: Any = 1.0):
+        self._scale = scale
+        super().__init__(layer_tag_eq)
+
+    def fixed_scale(self) -> Any:
+        return self._scale
+
+    def _init(self, rng, exact_powers_to_cache, approx_powers_to_cache, cache_eigenvalues):
+        del rng, exact_powers_to_cache, approx_powers_to_cache, cache_eigenvalues
+        return CurvatureBlock.State(cache=None)
+
+    def update_curvature_matrix_estimate(
+        self, state, estimation_data, ema_old, ema_new, identity_weight, batch_size
+    ):
+        del estimation_data, ema_old, ema_new, identity_weight, batch_size
+        return state
+
+    def _multiply_matpower_unscaled(
+        self, state, vector, identity_weight, power, exact_power, use_cached
+    ):
+        del exact_power
+        factor = (self.state_dependent_scale(state) if use_cached else 1.0) + identity_weight
+        factor = factor if power == 1 else 1.0 / factor if power == -1 else factor**power
+        return tuple(factor * v for v in vector)
+
+    def _eigenvalues_unscaled(self, state, use_cached):
+        del state, use_cached
+        return jnp.ones([self.dim], self.dtype)
+
+    def _to_dense_unscaled(self, state):
+        del state
+        return jnp.eye(self.dim, dtype=self.dtype)
+
+    def _norm_unscaled(self, state, norm_type):
+        del state, norm_type
+        return 1.0
 
 
 def kfacx_block_ctor(ctor: Any) -> Any:

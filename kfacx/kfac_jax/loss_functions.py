@@ -86,3 +86,86 @@ def register_softmax_cross_entropy_loss(logits, targets=None, mask=None, weight:
 
 
 register_categorical_predictive_distribution = register_softmax_cross_entropy_loss
+
+
+def _one(vector: Any, what: str) -> Any:
+    if isinstance(vector, tuple | list):
+        if len(vector) != 1:
+            raise ValueError(
+                f"{what}: given {len(vector)} arrays; kfacx's losses have one input (the "
+                "prediction)."
+            )
+        return vector[0]
+    return vector
+
+
+class KfacJaxLoss:
+    """A kfacx loss (`kfacx.losses.LossFunction`) seen through kfac-jax's loss API, as
+    kfac-jax's tracer functions return them (`kfacx.kfac_jax.tracer`):
+
+    * `evaluate` gives the loss of every example (``weight * mask * nll`` summed over
+      all but the batch axis; every entry for independent Bernoullis), as kfac-jax's
+      distributions do, not kfacx's batch mean;
+    * the curvature products take and return a tuple with one array per loss input
+      (kfacx's losses have one: the prediction);
+    * every other attribute is the kfacx loss's.
+    """
+
+    def __init__(self, loss: _losses.LossFunction):
+        self.kfacx_loss = loss
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.kfacx_loss, name)
+
+    def __repr__(self) -> str:
+        return f"KfacJaxLoss({self.kfacx_loss!r})"
+
+    @property
+    def inputs(self) -> tuple[Any, ...]:
+        return (self.kfacx_loss.prediction,)
+
+    @property
+    def parameter_dependants(self) -> tuple[Any, ...]:
+        return self.inputs
+
+    def evaluate(self, targets: Any = None, coefficient_mode: str = "regular") -> Any:
+        """The loss of every example (kfac-jax's ``evaluate``; ``coefficient_mode`` is
+        kfac-jax's and only ``"regular"`` is served)."""
+        if coefficient_mode != "regular":
+            raise ValueError(
+                f"evaluate(coefficient_mode={coefficient_mode!r}): kfacx serves 'regular'."
+            )
+        loss = self.kfacx_loss
+        nll = loss._nll(loss.targets if targets is None else targets)
+        if loss.mask is not None:
+            nll = nll * loss.mask
+        if isinstance(loss, _losses.SigmoidCrossEntropyLoss):
+            return loss.weight * nll  # independent Bernoullis: one loss per entry
+        return loss.weight * jnp.sum(nll, axis=tuple(range(1, nll.ndim)))
+
+    def _product(name: str):  # noqa: N805 - a factory of methods
+        def method(self, vector):
+            return (getattr(self.kfacx_loss, name)(_one(vector, name)),)
+
+        method.__name__ = name
+        method.__doc__ = f"kfacx's ``{name}``, with kfac-jax's tuple per loss input."
+        return method
+
+    multiply_fisher = _product("multiply_fisher")
+    multiply_ggn = _product("multiply_ggn")
+    multiply_fisher_factor_transpose = _product("multiply_fisher_factor_transpose")
+    multiply_ggn_factor_transpose = _product("multiply_ggn_factor_transpose")
+
+    def multiply_fisher_factor(self, vector):
+        """kfacx's ``multiply_fisher_factor``, with kfac-jax's tuple per loss input."""
+        return (self.kfacx_loss.multiply_fisher_factor(_one(vector, "multiply_fisher_factor")),)
+
+    def multiply_ggn_factor(self, vector):
+        """kfacx's ``multiply_ggn_factor``, with kfac-jax's tuple per loss input."""
+        return (self.kfacx_loss.multiply_ggn_factor(_one(vector, "multiply_ggn_factor")),)
+
+    del _product
+
+
+# kfac-jax's code checks isinstance(loss, NegativeLogProbLoss).
+_losses.LossFunction.register(KfacJaxLoss)

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from kfacx import optimizer as _kfacx_optimizer
-from kfacx.kfac_jax.curvature_estimator import kfacx_block_ctors
+from kfacx.kfac_jax._block_diagonal import kfacx_block_ctors
 from kfacx.kfac_jax.tag_graph_matcher import detection_kwargs
 from kfacx.kfac_jax.utils import _math
 from kfacx.kfac_jax.utils._parallel import pmap_mean

@@ -166,8 +166,8 @@ def test_built_in_blocks_are_kfacx_blocks_and_cannot_be_subclassed(name):
 
 
 def test_default_table_is_keyed_by_variant(monkeypatch):
-    table = dict(kfac_jax.curvature_estimator._DEFAULT_TAG_TO_BLOCK_CTOR)
-    monkeypatch.setattr(kfac_jax.curvature_estimator, "_DEFAULT_TAG_TO_BLOCK_CTOR", table)
+    table = dict(kfac_jax._block_diagonal._DEFAULT_TAG_TO_BLOCK_CTOR)
+    monkeypatch.setattr(kfac_jax._block_diagonal, "_DEFAULT_TAG_TO_BLOCK_CTOR", table)
     assert kfac_jax.get_default_tag_to_block_ctor("dense") is kfac_jax.DenseTwoKroneckerFactored
     kfac_jax.set_default_tag_to_block_ctor("my_dense", kfac_jax.RepeatedDenseKroneckerFactored)
     ctors = kfac_jax.curvature_estimator.kfacx_block_ctors(None)
