@@ -630,7 +630,8 @@ def plot(results: dict, path: str) -> None:
     plt.close(fig)
 
 
-def main(argv=None) -> dict:
+def make_parser() -> argparse.ArgumentParser:
+    """The command line (its defaults are the problems' default sizes)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--problems", default="lm,resnet")
     parser.add_argument("--methods", default=",".join(FIRST_ORDER + KFAC))
@@ -690,7 +691,11 @@ def main(argv=None) -> dict:
     parser.add_argument(
         "--plot-from", default=None, help="only plot this earlier JSON output (to --plot)"
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> dict:
+    args = make_parser().parse_args(argv)
     if args.plot_from:
         results = json.loads(pathlib.Path(args.plot_from).read_text())
         plot(results, args.plot or "modern.png")

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from kfacx._checks import Schedule
-from kfacx._tree import tree_dot, tree_scale
+from kfacx._tree import tree_dot, tree_gram, tree_scale
 
 
 def learning_rate_value(given: Any, schedule: Schedule | None, step: Any) -> jax.Array:
@@ -52,28 +52,29 @@ class QuadraticModel(NamedTuple):
       linear: ``[2]`` inner products of the gradient with ``p`` and ``v``.
       regularizer: ``[2, 2]`` curvature of an ``l2_reg`` term on part of the
         parameters (`kfacx._l2`), or None (``l2_reg`` is then in ``w``).
+      grad_sq: ``g.g``, the gradient's squared norm (computed with ``norms`` and
+        ``linear``, in the same pass over the leaves).
     """
 
     gram: jax.Array | None
     norms: jax.Array
     linear: jax.Array
     regularizer: jax.Array | None = None
+    grad_sq: jax.Array | None = None
 
 
 def direction_norms(precon: Any, velocity: Any) -> jax.Array:
     """``[[p.p, p.v], [p.v, v.v]]``."""
-    sq_norm = lambda v: tree_dot(v, v)  # noqa: E731
-    return jnp.array(
-        [
-            [sq_norm(precon), tree_dot(precon, velocity)],
-            [tree_dot(precon, velocity), sq_norm(velocity)],
-        ]
-    )
+    return tree_gram([precon, velocity])
 
 
-def gradient_projections(grads: Any, precon: Any, velocity: Any) -> jax.Array:
-    """``[g.p, g.v]``."""
-    return jnp.array([tree_dot(grads, precon), tree_dot(grads, velocity)])
+def model_products(
+    grads: Any, precon: Any, velocity: Any
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(norms, linear, g.g)``: ``[[p.p, p.v], [p.v, v.v]]``, ``[g.p, g.v]`` and the
+    gradient's squared norm, from one pass over the leaves (`kfacx._tree.tree_gram`)."""
+    gram = tree_gram([grads, precon, velocity])
+    return gram[1:, 1:], gram[0, 1:], gram[0, 0]
 
 
 def adaptive_coefficients(
@@ -103,18 +104,17 @@ def adaptive_coefficients(
       ``(coefficients, model)``: the learning rate is ``-coefficients[0]``, the
       momentum ``coefficients[1]``.
     """
-    norms = direction_norms(precon, velocity)
+    norms, b, grad_sq = model_products(grads, precon, velocity)
     damped = gram + identity_weight * norms
     if regularizer is not None:
         damped = damped + regularizer
-    b = gradient_projections(grads, precon, velocity)
     if momentum is None:
         coeffs = solve_2x2(damped, b, momentum_bounds)
     else:
         mom = momentum()
         c0 = -(b[0] + damped[0, 1] * mom) / _safe(damped[0, 0])
         coeffs = jnp.stack([c0, jnp.asarray(mom, jnp.float32)])
-    return coeffs, QuadraticModel(gram, norms, b, regularizer)
+    return coeffs, QuadraticModel(gram, norms, b, regularizer, grad_sq)
 
 
 def constrain_norm(precon: Any, grads: Any, learning_rate: jax.Array, norm_constraint: float):
@@ -135,9 +135,9 @@ def fixed_coefficients(
     regularizer: jax.Array | None = None,
 ) -> tuple[jax.Array, QuadraticModel]:
     """The coefficients ``[-learning_rate, momentum]`` and the quadratic model."""
-    norms = direction_norms(precon, velocity)
-    b = gradient_projections(grads, precon, velocity)
-    return jnp.stack([-learning_rate, momentum]), QuadraticModel(gram, norms, b, regularizer)
+    norms, b, grad_sq = model_products(grads, precon, velocity)
+    coeffs = jnp.stack([-learning_rate, momentum])
+    return coeffs, QuadraticModel(gram, norms, b, regularizer, grad_sq)
 
 
 def solve_2x2(m: jax.Array, b: jax.Array, bounds: Sequence[float] | None = None) -> jax.Array:

@@ -3,6 +3,7 @@ state or its previous value (the non-finite guard), each compiled as few kernels
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -40,6 +41,60 @@ def tree_dot(a: Any, b: Any) -> jax.Array:
         ys = jnp.concatenate([y.astype(dtype).ravel() for _, y in small])
         parts.append(jnp.sum(xs * ys))
     return sum(parts, jnp.zeros((), jnp.float32))
+
+
+def tree_gram(vectors: Sequence[Any]) -> jax.Array:
+    """``[k, k]`` inner products ``sum(x_i * x_j)`` of ``k`` pytrees of one structure,
+    in float32 or wider, in one pass over the leaves.
+
+    Every product ``x_i * x_j`` (``i <= j``) of a leaf is summed by one variadic
+    reduction, so XLA compiles one kernel per large leaf (and one for all the small
+    leaves, concatenated) for the whole matrix, where `tree_dot` for each pair would
+    compile one per pair and leaf: on the deep autoencoder's step the quadratic model's
+    inner products of the gradient, the preconditioned gradient and the previous update
+    go from 48 reduction kernels to 8 (and their sums over the leaves with them). Operands
+    with a ``dot_with`` method (gradients split over devices) take `tree_dot` per pair.
+    """
+    vectors = list(vectors)
+    k = len(vectors)
+    pairs = [(i, j) for i in range(k) for j in range(i, k)]
+    if any(hasattr(v, "dot_with") for v in vectors):
+        values = [tree_dot(vectors[i], vectors[j]) for i, j in pairs]
+    else:
+        leaves = [[wide(x) for x in jax.tree.leaves(v)] for v in vectors]
+        if any(len(ls) != len(leaves[0]) for ls in leaves):
+            raise ValueError("tree_gram: the pytrees have different numbers of leaves.")
+        per_leaf = list(zip(*leaves, strict=True))
+        groups = [group for group in per_leaf if group[0].size >= SMALL_LEAF]
+        small = [group for group in per_leaf if group[0].size < SMALL_LEAF]
+        if small:
+            dtype = jnp.result_type(*(x for group in small for x in group))
+            groups.append(
+                tuple(
+                    jnp.concatenate([group[i].astype(dtype).ravel() for group in small])
+                    for i in range(k)
+                )
+            )
+        sums = [_pair_sums(group, pairs) for group in groups]
+        values = [sum((s[n] for s in sums), jnp.zeros((), jnp.float32)) for n in range(len(pairs))]
+    gram = [[None] * k for _ in range(k)]
+    for (i, j), value in zip(pairs, values, strict=True):
+        gram[i][j] = gram[j][i] = value
+    return jnp.stack([jnp.stack(row) for row in gram])
+
+
+def _pair_sums(group: Sequence[jax.Array], pairs: Sequence[tuple[int, int]]) -> list[jax.Array]:
+    """``sum(group[i] * group[j])`` for every pair, by one variadic reduction."""
+    dtype = jnp.result_type(*group)
+    group = [x.astype(dtype) for x in group]
+    products = tuple(group[i] * group[j] for i, j in pairs)
+    zeros = tuple(jnp.zeros((), dtype) for _ in pairs)
+    dims = tuple(range(group[0].ndim))
+
+    def add(xs, ys):
+        return tuple(a + b for a, b in zip(xs, ys, strict=True))
+
+    return list(jax.lax.reduce(products, zeros, add, dims))
 
 
 def tree_axpy(a: Any, x: Any, y: Any) -> Any:

@@ -27,6 +27,43 @@ def test_tree_dot_equals_the_sum_over_leaves_with_small_leaves_concatenated():
     assert not np.isfinite(float(_tree.tree_dot(a, b)))
 
 
+def test_tree_gram_is_every_pairwise_tree_dot():
+    rng = np.random.default_rng(1)
+    shapes = [(70, 80), (80,), (3,), (5000,), (2, 3, 4)]
+    trees = [[jnp.asarray(rng.normal(size=s), jnp.float32) for s in shapes] for _ in range(3)]
+    trees[1][2] = trees[1][2].astype(jnp.bfloat16)  # widened before the products
+    with jax.enable_x64(True):
+        exact = [[np.asarray(x, np.float64) for x in tree] for tree in trees]
+        expected = np.array(
+            [[sum(np.sum(x * y) for x, y in zip(a, b, strict=True)) for b in exact] for a in exact]
+        )
+    got = jax.jit(_tree.tree_gram)(trees)
+    assert got.shape == (3, 3) and got.dtype == jnp.float32
+    scale = np.sqrt(np.outer(np.diag(expected), np.diag(expected)))  # float32 rounding
+    np.testing.assert_allclose(np.asarray(got), expected, rtol=0, atol=1e-6 * scale.max())
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(got).T)
+    # A non-finite entry shows in its row and column.
+    trees[2][1] = trees[2][1].at[0].set(jnp.inf)
+    got = np.asarray(_tree.tree_gram(trees))
+    assert not np.isfinite(got[2]).any() and np.isfinite(got[:2, :2]).all()
+
+
+def test_tree_gram_in_float64_matches_tree_dot_to_rounding():
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(2)
+        trees = [
+            {"w": jnp.asarray(rng.normal(size=(90, 60))), "b": jnp.asarray(rng.normal(size=60))}
+            for _ in range(2)
+        ]
+        got = _tree.tree_gram(trees)
+        assert got.dtype == jnp.float64
+        for i in range(2):
+            for j in range(2):
+                np.testing.assert_allclose(
+                    float(got[i, j]), float(_tree.tree_dot(trees[i], trees[j])), rtol=1e-12
+                )
+
+
 @pytest.mark.parametrize("ok", [True, False])
 def test_keep_unless_returns_either_tree_bit_for_bit(ok):
     """Large leaves go through a select, small ones through one lax.cond: both ways give
