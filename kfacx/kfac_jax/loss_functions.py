@@ -115,6 +115,8 @@ class KfacJaxLoss:
         self.kfacx_loss = loss
 
     def __getattr__(self, name: str) -> Any:
+        if name == "kfacx_loss":  # not set yet (copy, pickle): no recursion
+            raise AttributeError(name)
         return getattr(self.kfacx_loss, name)
 
     def __repr__(self) -> str:
