@@ -82,6 +82,34 @@ def test_pmap_maps_the_step_inputs_and_shares_the_options():
     np.testing.assert_allclose(out, 2.0 * batch.mean(axis=1))
 
 
+def test_a_pmapped_step_is_freed_with_its_function():
+    """jax.pmap (jax >= 0.10) caches every function it maps for the life of the process,
+    with its compiled programs: FermiNet's tests, an optimizer each, ran out of memory
+    mappings and crashed in XLA's compiler. The staged pmap step lives only as long as
+    the function it stages."""
+    import gc
+    import weakref
+
+    class Step:
+        def run(self, params, state, rng, batch, func_state, scale):
+            return _step(params, state, rng, batch, func_state, scale)
+
+    n = 2
+    params, batch = jnp.zeros((n,)), jnp.arange(8.0).reshape(n, 4)
+    rngs = jax.random.split(jax.random.key(0), n)
+    step = Step()
+    alive = weakref.ref(step)
+    staged = _placement(multi_device=True).stage(step.run, debug=False)
+    jax.block_until_ready(staged(params, params, rngs, batch, None, 2.0))
+    del step, staged
+    gc.collect()
+    assert alive() is None
+    # As pmap: mapped arguments must share their leading size.
+    staged = _placement(multi_device=True).stage(_step, debug=False)
+    with pytest.raises(ValueError, match="leading axes have sizes"):
+        staged(params, jnp.zeros((3,)), rngs, batch, None, 2.0)
+
+
 def test_shard_map_splits_the_batch_and_draws_other_samples_per_device():
     mesh = _mesh("d")
     placement = _placement(mesh=mesh, use_shard_map=True)
