@@ -556,6 +556,7 @@ def part_ferminet_tests(args) -> None:
                     rows.append([f, tag, devices, "import failed", "", "", "", msg[:120]])
                     continue
                 junit = args.workdir / "junit" / f"ferminet-{tag}-{devices}dev-{f}.xml"
+                junit.unlink(missing_ok=True)  # a crashed run writes none: no stale results
                 logp = args.workdir / "logs" / f"ferminet-{tag}-{devices}dev-{f}.log"
                 sel = (
                     _ferminet_selection(tree, args.train_tests, venv)
@@ -649,6 +650,7 @@ def part_kfac_jax_tests(args) -> None:
                 rows.append([f, tag, "", "", "", "", "import failed: " + msg[:100]])
                 continue
             junit = args.workdir / "junit" / f"kfac-jax-tests-{tag}-{f}.xml"
+            junit.unlink(missing_ok=True)  # a crashed run writes none: no stale results
             logp = args.workdir / "logs" / f"kfac-jax-tests-{tag}-{f}.log"
             env = base_env(venv)
             env["PYTHONPATH"] = str(tree)  # `from tests import models`
@@ -917,6 +919,7 @@ def _deepqmc_ref(args, ref: str) -> None:
             save_result(args.workdir, "deepqmc", f"{ref}/{tag}", {"import_failed": msg})
             continue
         junit = args.workdir / "junit" / f"deepqmc-{ref}-{tag}.xml"
+        junit.unlink(missing_ok=True)  # a crashed run writes none: no stale results
         logp = args.workdir / "logs" / f"deepqmc-{ref}-{tag}.log"
         env = base_env(venv)
         targets = (
