@@ -22,6 +22,7 @@ import numpy as np
 from kfacx import blocks as _kfacx_blocks
 from kfacx import estimator as _estimator
 from kfacx.kfac_jax import curvature_blocks as _cb
+from kfacx.kfac_jax._products import PowerProducts
 from kfacx.kfac_jax.layers_and_loss_tags import kfacx_tag_name
 
 _DEFAULT_TAG_TO_BLOCK_CTOR: dict[str, Any] = dict(
@@ -86,7 +87,7 @@ def kfacx_block_ctors(
     return out
 
 
-class BlockDiagonalCurvature(_estimator.BlockDiagonalCurvature):
+class BlockDiagonalCurvature(PowerProducts, _estimator.BlockDiagonalCurvature):
     """`kfacx.BlockDiagonalCurvature` with kfac-jax's signatures: the block table keyed by
     variant (kfac-jax block classes), the cached powers given to `init`, and the
     ``identity_weight`` / ``pmap_axis_name`` arguments kfac-jax's methods take."""
@@ -289,36 +290,6 @@ class BlockDiagonalCurvature(_estimator.BlockDiagonalCurvature):
         del pmap_axis_name, norm_to_scale_identity_weight_per_block
         return super().multiply_matpower(
             state, parameter_structured_vector, identity_weight, power, exact_power, use_cached
-        )
-
-    def multiply(
-        self,
-        state,
-        parameter_structured_vector,
-        identity_weight,
-        exact_power=False,
-        use_cached=False,
-        pmap_axis_name=None,
-        norm_to_scale_identity_weight_per_block=None,
-    ):
-        """``(C + identity_weight I) v``."""
-        return self.multiply_matpower(
-            state, parameter_structured_vector, identity_weight, 1, exact_power, use_cached
-        )
-
-    def multiply_inverse(
-        self,
-        state,
-        parameter_structured_vector,
-        identity_weight,
-        exact_power=False,
-        use_cached=False,
-        pmap_axis_name=None,
-        norm_to_scale_identity_weight_per_block=None,
-    ):
-        """``(C + identity_weight I)^-1 v``."""
-        return self.multiply_matpower(
-            state, parameter_structured_vector, identity_weight, -1, exact_power, use_cached
         )
 
 

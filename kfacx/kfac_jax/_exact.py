@@ -18,6 +18,7 @@ import numpy as np
 
 from kfacx import linalg as _linalg
 from kfacx.kfac_jax import tracer as _tracer
+from kfacx.kfac_jax._products import PowerProducts
 from kfacx.kfac_jax.utils import WeightedMovingAverage, default_batch_size_extractor
 
 
@@ -159,7 +160,7 @@ class ExplicitExactState(NamedTuple):
 _EXACT_MODES = ("fisher_exact", "ggn_exact")
 
 
-class ExplicitExactCurvature:
+class ExplicitExactCurvature(PowerProducts):
     """The exact Gauss-Newton / Fisher matrix over all parameters, as one dense matrix
     (kfac-jax's class): each update forms it from ``dim`` exact matrix-vector products
     (`ImplicitExactCurvature`) and folds it into a moving average. Only the exact
@@ -356,34 +357,6 @@ class ExplicitExactCurvature:
         else:
             m = self._matpower(state, identity_weight, power)
         return self._from_vector(m @ self._to_vector(parameter_structured_vector))
-
-    def multiply(
-        self,
-        state,
-        parameter_structured_vector,
-        identity_weight,
-        exact_power=False,
-        use_cached=False,
-        pmap_axis_name=None,
-        norm_to_scale_identity_weight_per_block=None,
-    ):
-        return self.multiply_matpower(
-            state, parameter_structured_vector, identity_weight, 1, exact_power, use_cached
-        )
-
-    def multiply_inverse(
-        self,
-        state,
-        parameter_structured_vector,
-        identity_weight,
-        exact_power=False,
-        use_cached=False,
-        pmap_axis_name=None,
-        norm_to_scale_identity_weight_per_block=None,
-    ):
-        return self.multiply_matpower(
-            state, parameter_structured_vector, identity_weight, -1, exact_power, use_cached
-        )
 
 
 def _check_mode(mode: str) -> str:
