@@ -67,7 +67,9 @@ class OptaxPreconditioner:
                 "kfac-jax); kfacx.Optimizer's curvature_update_period updates less often."
             )
         if (damping is None) == (damping_schedule is None):
-            raise ValueError("Give exactly one of damping and damping_schedule.")
+            raise ValueError(
+                "OptaxPreconditioner: give exactly one of damping and damping_schedule."
+            )
         self._l2_reg = l2_reg
         self._damping = damping
         self._damping_schedule = damping_schedule

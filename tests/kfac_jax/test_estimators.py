@@ -220,3 +220,16 @@ def test_curried_tracer_functions_are_kfacx_functions(setup):
     hvp_fn, _ = kfac_jax.tracer.loss_tags_hvp(loss_fn)
     hvp, _ = hvp_fn((params, batch), v)
     _close(hvp, jax.jvp(jax.grad(lambda p: B * loss_fn(p, batch)), (params,), (v,))[1], tol=1e-9)
+
+
+def test_optax_preconditioner_and_tracer_errors_name_the_argument():
+    with pytest.raises(ValueError, match="exactly one of damping and damping_schedule"):
+        kfac_jax.OptaxPreconditioner(loss_fn)
+    with pytest.raises(ValueError, match="curvature_update_period=2"):
+        kfac_jax.OptaxPreconditioner(loss_fn, damping=1.0, curvature_update_period=2)
+    params, batch = _params(), _batch()
+    vjp_fn, _ = kfac_jax.tracer.loss_tags_vjp(loss_fn)
+    _, vjp = vjp_fn((params, batch))
+    logits = _logits(params, batch[0])
+    with pytest.raises(ValueError, match="loss 0 was given 2 arrays"):
+        vjp([(logits, logits)])
