@@ -158,6 +158,14 @@ class ExplicitExactState(NamedTuple):
 
 
 _EXACT_MODES = ("fisher_exact", "ggn_exact")
+#: kfac-jax's estimator arguments that only sampled estimates use.
+_SAMPLING_KWARGS = {
+    "num_samples",
+    "should_vmap_samples",
+    "norm_to_scale_identity_weight_per_block",
+    "distributed_multiplies",
+    "distributed_cache_updates",
+}
 
 
 class ExplicitExactCurvature(PowerProducts):
@@ -186,7 +194,14 @@ class ExplicitExactCurvature(PowerProducts):
         batch_size_extractor: Callable[[Any], int] = default_batch_size_extractor,
         **kwargs: Any,
     ):
-        del layer_tag_to_block_ctor, auto_register_tags, kwargs
+        del layer_tag_to_block_ctor, auto_register_tags
+        unknown = set(kwargs) - _SAMPLING_KWARGS
+        if unknown:
+            raise TypeError(
+                f"ExplicitExactCurvature got unexpected arguments {sorted(unknown)} (it takes "
+                f"kfac-jax's, and ignores {sorted(_SAMPLING_KWARGS)}, which only matter to "
+                "sampled estimates)."
+            )
         if (func is None) == (func_and_grad is None):
             raise ValueError("Exactly one of `func` and `func_and_grad` must be provided.")
         if func is None:
@@ -211,7 +226,6 @@ class ExplicitExactCurvature(PowerProducts):
             raise ValueError(
                 f"param_order={order} is not a permutation of the {len(leaves)} parameter leaves."
             )
-        self._order = tuple(range(len(leaves)))
 
     @property
     def dim(self) -> int:
@@ -224,18 +238,15 @@ class ExplicitExactCurvature(PowerProducts):
         """The order given to the constructor (pytree-leaf order when none was)."""
         if self._shapes is None:
             raise ValueError("ExplicitExactCurvature is not set up yet: call init first.")
-        return self._param_order or self._order
+        return self._param_order or tuple(range(len(self._shapes)))
 
     def _to_vector(self, params: Any) -> jax.Array:
-        leaves = jax.tree_util.tree_leaves(params)
-        return jnp.concatenate([leaves[i].reshape(-1) for i in self._order])
+        return jnp.concatenate([x.reshape(-1) for x in jax.tree_util.tree_leaves(params)])
 
     def _from_vector(self, vector: jax.Array) -> Any:
-        sizes = [int(np.prod(self._shapes[i])) for i in self._order]
+        sizes = [int(np.prod(shape)) for shape in self._shapes]
         pieces = jnp.split(vector, np.cumsum(sizes)[:-1])
-        leaves = [None] * len(self._shapes)
-        for i, piece in zip(self._order, pieces, strict=True):
-            leaves[i] = piece.reshape(self._shapes[i])
+        leaves = [p.reshape(shape) for p, shape in zip(pieces, self._shapes, strict=True)]
         return jax.tree_util.tree_unflatten(self._treedef, leaves)
 
     # ------------------------------------------------------------------ estimator API
