@@ -62,6 +62,12 @@ class QuadraticModel(NamedTuple):
     regularizer: jax.Array | None = None
     grad_sq: jax.Array | None = None
 
+    def step_sq_norms(self, delta: Any) -> list[jax.Array]:
+        """``[g.g, p.p, delta.delta]`` for the step's stats and guard: the first two from
+        the model's one pass over the leaves, the update's from the update itself, in its
+        own dtype (so that the guard sees an overflow of a low-precision update)."""
+        return [self.grad_sq, self.norms[0, 0], tree_dot(delta, delta)]
+
 
 def direction_norms(precon: Any, velocity: Any) -> jax.Array:
     """``[[p.p, p.v], [p.v, v.v]]``."""

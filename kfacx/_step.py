@@ -173,11 +173,7 @@ class KfacStep:
             data_seen=state.data_seen + self.passes.examples_seen(batch, self.placement.axis_name),
             step_counter=step + 1,
         )
-        # g.g and p.p come with the quadratic model's products (one pass over the leaves);
-        # the update's is taken from the update itself, in its own dtype (the guard sees
-        # an overflow of a low-precision update).
-        model = update.model
-        sq_norms = [model.grad_sq, model.norms[0, 0], _tree.tree_dot(update.delta, update.delta)]
+        sq_norms = update.model.step_sq_norms(update.delta)
         finite, (new_params, new_state, new_func_state) = _guard(
             loss,
             sq_norms,

@@ -31,10 +31,10 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
-import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from kfacx.parallel import _sharded_state
+from kfacx.parallel._owned_pmap import owned_pmap
 
 _P = PartitionSpec
 
@@ -495,76 +495,3 @@ def _parameter_names(fn: Callable[..., Any]) -> tuple[str, ...]:
             f"{getattr(fn, '__name__', fn)} takes {names}."
         )
     return names
-
-
-def owned_pmap(fn: Callable[..., Any], axis_name: str, in_axes: Any = 0) -> Callable[..., Any]:
-    """``jax.pmap(fn, axis_name=axis_name, in_axes=in_axes)`` (``in_axes`` 0 or None per
-    positional argument, keyword arguments mapped), owned by the caller.
-
-    Since jax 0.10, `jax.pmap` is a jit of a `jax.shard_map`, cached process-wide in a
-    weak-keyed cache whose entry holds the function strongly, so neither the function
-    nor its compiled programs are ever freed: each `kfacx.Optimizer` made with
-    ``multi_device=True`` kept its steps alive, and a process that made a few dozen (a
-    test suite: FermiNet's training tests) ran out of memory mappings
-    (``vm.max_map_count``) and crashed in XLA's compiler. In one process this builds the
-    same jit of a shard_map over the local devices here, so it lives as long as the
-    returned function; across processes (host-local inputs made global) it is
-    `jax.pmap`.
-    """
-    if jax.process_count() > 1:
-        return jax.pmap(fn, axis_name=axis_name, in_axes=in_axes)
-    compiled: dict[Any, Callable[..., Any]] = {}
-
-    def mapped(*args: Any, **kwargs: Any) -> Any:
-        axes = in_axes if isinstance(in_axes, tuple) else (in_axes,) * len(args)
-        if len(axes) != len(args):
-            raise ValueError(
-                f"pmap: in_axes has {len(axes)} entries for {len(args)} positional arguments."
-            )
-        leaves, leaf_axes = [], []
-        for arg, axis in zip(args, axes, strict=True):
-            arg_leaves = jax.tree.leaves(arg)
-            leaves += arg_leaves
-            leaf_axes += [axis] * len(arg_leaves)
-        kwarg_leaves = jax.tree.leaves(kwargs)
-        leaves += kwarg_leaves
-        leaf_axes += [0] * len(kwarg_leaves)
-        sizes = {np.shape(x)[0] for x, axis in zip(leaves, leaf_axes, strict=True) if axis == 0}
-        if len(sizes) != 1 or not 0 < min(sizes) <= jax.local_device_count():
-            raise ValueError(
-                f"pmap: the mapped arguments' leading axes have sizes {sorted(sizes)}; they "
-                f"must share one size of at most the {jax.local_device_count()} local devices."
-            )
-        treedef = jax.tree.structure((args, kwargs))
-        key = (treedef, tuple(leaf_axes), sizes.pop())
-        if key not in compiled:
-            # As pmap: the first `size` local devices.
-            mesh = Mesh(jax.local_devices()[: key[2]], (axis_name,))
-            compiled[key] = _jit_of_shard_map(fn, mesh, axis_name, treedef, key[1])
-        return compiled[key](*leaves)
-
-    return functools.wraps(fn)(mapped)
-
-
-def _jit_of_shard_map(fn, mesh, axis_name, treedef, leaf_axes):
-    def per_device(*leaves):
-        leaves = [
-            x if axis is None else jax.lax.squeeze(x, [0])
-            for x, axis in zip(leaves, leaf_axes, strict=True)
-        ]
-        args, kwargs = jax.tree.unflatten(treedef, leaves)
-        out = fn(*args, **kwargs)
-        return jax.tree.map(lambda x: jax.lax.expand_dims(x, [0]), out)
-
-    in_specs = tuple(
-        PartitionSpec(axis_name) if axis is not None else PartitionSpec() for axis in leaf_axes
-    )
-    return jax.jit(
-        jax.shard_map(
-            per_device,
-            mesh=mesh,
-            in_specs=in_specs,
-            out_specs=PartitionSpec(axis_name),
-            check_vma=False,
-        )
-    )
