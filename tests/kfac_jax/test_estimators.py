@@ -233,3 +233,10 @@ def test_optax_preconditioner_and_tracer_errors_name_the_argument():
     logits = _logits(params, batch[0])
     with pytest.raises(ValueError, match="loss 0 was given 2 arrays"):
         vjp([(logits, logits)])
+
+
+def test_explicit_exact_curvature_rejects_unknown_arguments():
+    with pytest.raises(TypeError, match=r"unexpected arguments \['num_sample'\]"):
+        kfac_jax.ExplicitExactCurvature(loss_fn, num_sample=2)
+    with pytest.raises(ValueError, match="Exactly one of `func` and `func_and_grad`"):
+        kfac_jax.ExplicitExactCurvature()
