@@ -18,7 +18,6 @@ import numpy as np
 
 from kfacx import _jaxpr
 from kfacx._paths import check_float_params, path_to_str
-from kfacx.blocks._base import APPROX_POWER_FIELDS
 
 Schedule = Callable[[jax.Array], Any]
 
@@ -282,19 +281,6 @@ def is_number(value: Any) -> bool:
     return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
 
 
-def check_precon_power(power: Any, use_exact_inverses: bool) -> float:
-    """``precon_power`` as a float: negative, and -1 or -0.5 without exact inverses.
-
-    Raises:
-      ValueError: naming the value and what to use instead.
-    """
-    if not (is_number(power) and math.isfinite(power) and power < 0):
-        raise ValueError(
-            f"precon_power must be a negative number (e.g. -1 or -0.5), got {power!r}."
-        )
-    if not use_exact_inverses and float(power) not in APPROX_POWER_FIELDS:
-        raise ValueError(
-            f"precon_power={power} needs use_exact_inverses=True: the factored (pi) "
-            f"damping serves the powers {sorted(APPROX_POWER_FIELDS)} only."
-        )
-    return float(power)
+def is_traced(value: Any) -> bool:
+    """Whether ``value`` is traced (e.g. a hyperparameter of `optax.inject_hyperparams`)."""
+    return isinstance(value, jax.core.Tracer)

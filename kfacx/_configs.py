@@ -14,8 +14,9 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from kfacx._checks import Schedule, as_schedule, check_ema, check_int, check_precon_power, is_number
+from kfacx._checks import Schedule, as_schedule, check_ema, check_int, is_number
 from kfacx.blocks import check_norm_type, curvature_block_ctors
+from kfacx.blocks._base import check_precon_power
 from kfacx.estimator import ESTIMATION_MODES, BlockDiagonalCurvature
 
 # With the default curvature_batch_fraction=None, the curvature is estimated on

@@ -45,13 +45,13 @@ import jax.numpy as jnp
 import optax
 
 from kfacx import _partition, _refresh
+from kfacx._checks import is_traced
+from kfacx._refresh import refresh_on_schedule
 from kfacx._transform_parts import (
     check_curvature_stats,
     checked_ema,
     checked_period,
     fold_statistics,
-    is_traced,
-    refresh_on_schedule,
     reject_multi_steps,
     replace_params,
 )

@@ -355,3 +355,13 @@ def planned_block_owners(
 ) -> tuple[int, ...]:
     """`block_owners` of the refresh of ``blocks`` with caches ``cache_spec``."""
     return block_owners(abstract_plan(blocks, cache_spec), len(blocks), num_devices)
+
+
+def refresh_on_schedule(
+    count: Any, inverse_update_period: Any, refresh: Callable[..., Any], operand: Any, *args: Any
+) -> Any:
+    """``refresh(operand, *args)`` when ``count`` is a multiple of ``inverse_update_period``
+    (the first update included), else ``operand`` (a `jax.lax.cond`)."""
+    return jax.lax.cond(
+        count % inverse_update_period == 0, refresh, lambda x, *_: x, operand, *args
+    )

@@ -34,8 +34,9 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from kfacx import _identity_weights, _refresh, _sharded_units, _statistics
-from kfacx._transform_parts import is_traced, refresh_on_schedule
+from kfacx import _identity_weights, _refresh, _sharded_units, _statistics, _tree
+from kfacx._checks import is_traced
+from kfacx._refresh import refresh_on_schedule
 from kfacx.estimator import BlockDiagonalCurvature, CurvatureStats, EstimatorState
 from kfacx.parallel import _distributed
 from kfacx.parallel._sharded_state import PackLayout, ShardedEstimatorState, assign_owners_by_bytes
@@ -426,7 +427,7 @@ class OwnedGradient:
 
 def _dots(xs: Sequence[jax.Array], ys: Sequence[jax.Array]) -> jax.Array:
     """``sum(x * y)`` over the pairs, in float32 or wider (as `kfacx._tree.tree_dot`)."""
-    wide = _statistics.wide
+    wide = _tree.wide
     return sum(
         (jnp.sum(wide(x) * wide(y)) for x, y in zip(xs, ys, strict=True)),
         jnp.zeros((), jnp.float32),

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from kfacx._tree import wide
 from kfacx.blocks._base import statistics_of
 from kfacx.losses import LossFunction
 from kfacx.parallel import _reductions
@@ -354,8 +355,3 @@ def gram_from_upper(upper: jax.Array, k: int) -> jax.Array:
             gram = gram.at[i, j].set(upper[index]).at[j, i].set(upper[index])
             index += 1
     return gram
-
-
-def wide(x: jax.Array) -> jax.Array:
-    """``x`` in float32 or wider (bfloat16 / float16 sums overflow or lose digits)."""
-    return x.astype(jnp.promote_types(x.dtype, jnp.float32))

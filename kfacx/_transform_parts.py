@@ -6,7 +6,7 @@ against `optax.MultiSteps`."""
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -15,6 +15,7 @@ import numpy as np
 import optax
 
 from kfacx import _checks
+from kfacx._checks import is_traced
 from kfacx.estimator import CurvatureStats, EstimatorState
 
 
@@ -46,16 +47,6 @@ def fold_statistics(
     )
 
 
-def refresh_on_schedule(
-    count: Any, inverse_update_period: Any, refresh: Callable[..., Any], operand: Any, *args: Any
-) -> Any:
-    """``refresh(operand, *args)`` when ``count`` is a multiple of ``inverse_update_period``
-    (the first update included), else ``operand`` (a `jax.lax.cond`)."""
-    return jax.lax.cond(
-        count % inverse_update_period == 0, refresh, lambda x, *_: x, operand, *args
-    )
-
-
 def check_curvature_stats(curvature_stats: Any, who: str) -> None:
     """Raises a TypeError unless ``curvature_stats`` (``who``'s extra argument) is a
     `kfacx.CurvatureStats`."""
@@ -65,11 +56,6 @@ def check_curvature_stats(curvature_stats: Any, who: str) -> None:
             "kfacx.CurvatureStats from estimator.value_grads_and_curvature_stats; got "
             f"{type(curvature_stats).__name__}."
         )
-
-
-def is_traced(value: Any) -> bool:
-    """Whether ``value`` is traced (e.g. a hyperparameter of `optax.inject_hyperparams`)."""
-    return isinstance(value, jax.core.Tracer)
 
 
 def checked_ema(curvature_ema: Any) -> Any:

@@ -11,7 +11,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from kfacx import _checks
-from kfacx._statistics import wide
 
 #: Leaves with fewer entries than this (biases, scales, counters) are "small": in
 #: `tree_dot` they take part as one concatenated vector, so XLA compiles one small
@@ -20,6 +19,11 @@ from kfacx._statistics import wide
 #: faster, depending on the machine's load) and runs it no slower; `keep_unless`
 #: guards them with one `jax.lax.cond` instead of a select each.
 SMALL_LEAF = 4096
+
+
+def wide(x: jax.Array) -> jax.Array:
+    """``x`` in float32 or wider (bfloat16 / float16 sums overflow or lose digits)."""
+    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
 def tree_dot(a: Any, b: Any) -> jax.Array:

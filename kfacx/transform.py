@@ -33,18 +33,18 @@ import numpy as np
 import optax
 
 from kfacx import _checks, _partition
-from kfacx._checks import check_precon_power
+from kfacx._checks import is_traced
+from kfacx._refresh import refresh_on_schedule
 from kfacx._sharded_curvature import ShardedCurvature
 from kfacx._transform_parts import (
     check_curvature_stats,
     checked_ema,
     checked_period,
     fold_statistics,
-    is_traced,
-    refresh_on_schedule,
     reject_multi_steps,
     replace_params,
 )
+from kfacx.blocks._base import check_precon_power
 from kfacx.estimator import BlockDiagonalCurvature, CurvatureStats, EstimatorState
 from kfacx.parallel._sharded_state import ShardedEstimatorState
 

@@ -12,6 +12,7 @@ import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
 
+from kfacx import _checks
 from kfacx.blocks._arrays import (  # noqa: F401  (re-exported: the blocks import them from here)
     Params,
     cast_to,
@@ -444,3 +445,21 @@ def statistics_of(block: Any, estimation_data: Any, batch_size: Any, state: Any)
     if getattr(block, "statistics_need_state", False):
         return tuple(block.compute_statistics(estimation_data, batch_size, state=state))
     return tuple(block.compute_statistics(estimation_data, batch_size))
+
+
+def check_precon_power(power: Any, use_exact_inverses: bool) -> float:
+    """``precon_power`` as a float: negative, and -1 or -0.5 without exact inverses.
+
+    Raises:
+      ValueError: naming the value and what to use instead.
+    """
+    if not (_checks.is_number(power) and math.isfinite(power) and power < 0):
+        raise ValueError(
+            f"precon_power must be a negative number (e.g. -1 or -0.5), got {power!r}."
+        )
+    if not use_exact_inverses and float(power) not in APPROX_POWER_FIELDS:
+        raise ValueError(
+            f"precon_power={power} needs use_exact_inverses=True: the factored (pi) "
+            f"damping serves the powers {sorted(APPROX_POWER_FIELDS)} only."
+        )
+    return float(power)
