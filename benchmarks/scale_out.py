@@ -66,7 +66,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
 import kfacx  # noqa: E402
-from kfacx import _refresh, _sharded_curvature  # noqa: E402
+from kfacx.estimator import _refresh, _sharded_curvature  # noqa: E402
 from kfacx.parallel import _distributed  # noqa: E402
 
 DAMPING = 1e-2
@@ -142,7 +142,7 @@ def refresh_times(opt, state, repeats: int) -> dict:
 
 def _owned_part(est, num_devices, device, est_state):
     """The pieces of the refresh distributed over ``num_devices`` that ``device`` runs
-    (`kfacx._refresh.pieces`), serially."""
+    (`kfacx.estimator._refresh.pieces`), serially."""
     plan = _refresh.plan(est.blocks, est_state.blocks, est._block_weights(est_state, DAMPING))
     cut = _refresh.pieces(plan, num_devices)
     owners = _distributed.assign_owners([p.cost for p in cut], num_devices)

@@ -74,7 +74,7 @@ logger = logging.getLogger("kfacx.docs")
 # Submodules whose own ``#:`` comments document the constants kfacx re-exports.
 _DEFINING_MODULES = (
     "kfacx.estimator",
-    "kfacx._statistics",
+    "kfacx.estimator._statistics",
     "kfacx.graph_matcher._defaults",
     "kfacx.graph_matcher._auto_register",
     "kfacx.tags._layer_tags",

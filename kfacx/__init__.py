@@ -6,13 +6,7 @@ register the loss on the model output, and precondition gradients with
 """
 
 from kfacx import blocks, graph_matcher, linalg, losses, parallel, tags, tracer
-from kfacx._aliases import kfac_adamw, kfac_soap
-from kfacx._compile import fast_compile_options
-from kfacx._eigen_adam import ScaleByKfacEigenAdamState, scale_by_kfac_eigen_adam
-from kfacx._graft import GraftState, graft
-from kfacx._partition import block_labels
-from kfacx._sharded_checkpoint import shard_estimator_state
-from kfacx._sharded_curvature import gather_estimator_state
+from kfacx._helpers._compile import fast_compile_options
 from kfacx.blocks import (
     ConvEKFAC,
     ConvTNT,
@@ -39,6 +33,8 @@ from kfacx.estimator import (
     CurvatureStats,
     EstimatorState,
 )
+from kfacx.estimator._sharded_checkpoint import shard_estimator_state
+from kfacx.estimator._sharded_curvature import gather_estimator_state
 from kfacx.graph_matcher import (
     DEFAULT_GRAPH_PATTERNS,
     GraphPattern,
@@ -85,6 +81,10 @@ from kfacx.transform import (
     precondition,
     scale_by_kfac,
 )
+from kfacx.transform._aliases import kfac_adamw, kfac_soap
+from kfacx.transform._eigen_adam import ScaleByKfacEigenAdamState, scale_by_kfac_eigen_adam
+from kfacx.transform._graft import GraftState, graft
+from kfacx.transform._partition import block_labels
 
 __version__ = "0.1.0.dev0"
 

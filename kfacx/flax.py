@@ -37,9 +37,9 @@ import optax
 from flax import nnx
 from flax.training import train_state
 
-from kfacx._eigen_adam import ScaleByKfacEigenAdamState
 from kfacx.estimator import BlockDiagonalCurvature, CurvatureStats
 from kfacx.transform import AccumulateCurvatureStatsState, ScaleByKfacState
+from kfacx.transform._eigen_adam import ScaleByKfacEigenAdamState
 
 __all__ = ["NNXLoss", "TrainState", "nnx_value_grads_and_curvature_stats"]
 

@@ -1,4 +1,4 @@
-"""Helpers of the `kfacx.scale_by_kfac_eigen_adam` tests (tests/test_eigen_adam*.py):
+"""Helpers of the `kfacx.scale_by_kfac_eigen_adam` tests (tests/transform/test_eigen_adam*.py):
 the run's constants, the autouse float64 fixture, a relative closeness check, the
 NumPy reference of the second moment (eigenbases, rotations, change of basis, one
 block's steps), and a small registered MLP with its (cached) estimator.

@@ -1,4 +1,4 @@
-"""Helpers of the `kfacx.BlockDiagonalCurvature` tests (tests/test_estimator*.py):
+"""Helpers of the `kfacx.BlockDiagonalCurvature` tests (tests/estimator/test_estimator*.py):
 model sizes, closeness checks, one estimator update to a dense matrix, flattening.
 """
 

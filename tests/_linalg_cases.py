@@ -1,4 +1,4 @@
-"""Helpers of the `kfacx.linalg` tests (tests/test_linalg*.py): random PSD matrices,
+"""Helpers of the `kfacx.linalg` tests (tests/linalg/test_linalg*.py): random PSD matrices,
 float64 numpy references, jitted entry points, a relative closeness check.
 """
 
@@ -30,7 +30,7 @@ def _f32(x):
 
 
 # Jitted once per shape (and x64 setting): run eagerly, every operation of these
-# functions compiles on its own. The cheap tests of tests/test_linalg.py (those before
+# functions compiles on its own. The cheap tests of tests/linalg/test_linalg.py (those before
 # its robustness tests) call the functions eagerly.
 _jit_inverse = jax.jit(linalg.psd_inverse)
 _jit_matpower = jax.jit(linalg.psd_matpower, static_argnums=1)

@@ -1,4 +1,4 @@
-"""One process of tests/test_multiprocess.py: the same training under every placement,
+"""One process of tests/parallel/test_multiprocess.py: the same training under every placement,
 whether this is one process with all the devices or one of several processes joined
 with `jax.distributed` (as on several hosts).
 
@@ -28,8 +28,8 @@ import traceback
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from _optimizer_cases import ADAPTIVE, mlp_loss
 from jax.sharding import NamedSharding, PartitionSpec
-from test_optimizer import ADAPTIVE, mlp_loss
 
 import kfacx
 

@@ -1,4 +1,4 @@
-"""Helpers of the optax-side tests (tests/test_optax*.py): a hand-tagged float64 MLP
+"""Helpers of the optax-side tests (tests/transform/test_optax*.py): a hand-tagged float64 MLP
 problem, its data and estimators, tree comparisons, and the autouse fixture that turns
 XLA's optimisation passes off.
 

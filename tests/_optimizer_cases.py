@@ -1,5 +1,5 @@
-"""Helpers of the `kfacx.Optimizer` tests (tests/test_optimizer*.py, and the files that
-import them from test_optimizer): a registered tanh MLP, its parameters and batches, a
+"""Helpers of the `kfacx.Optimizer` tests (tests/optimizer/, and the other files that
+train its MLP): a registered tanh MLP, its parameters and batches, a
 run of several steps, option sets.
 """
 

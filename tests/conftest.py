@@ -1,7 +1,7 @@
 """Test configuration: 4 CPU devices, fast XLA compilation, one compilation cache per run.
 
 Most of the suite's time is XLA compiling small K-FAC steps (a warm compilation
-cache runs tests/test_optimizer.py in a fifth of the time of a cold one), so:
+cache runs tests/optimizer/test_optimizer.py in a fifth of the time of a cold one), so:
 
 * every compilation uses XLA's classic CPU fusion emitters (jaxlib < 0.12) and LLVM optimisation
   level 0 (XLA's defaults: the MLIR emitters and level 2): the suite takes about half

@@ -15,10 +15,10 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from test_optimizer import make_batch, make_params, mlp_loss
+from _optimizer_cases import make_batch, make_params, mlp_loss
 
 import kfacx
-from kfacx import _checks
+from kfacx._helpers import _checks
 
 NAN, INF = float("nan"), float("inf")
 FIXED = dict(

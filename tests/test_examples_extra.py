@@ -40,7 +40,7 @@ def test_help(name):
 
 
 def test_multiprocess_help():
-    """examples/multiprocess.py trains in tests/test_multiprocess.py's two processes;
+    """examples/multiprocess.py trains in tests/parallel/test_multiprocess.py's two processes;
     here its launcher's options."""
     out = run_example("multiprocess.py", "--help")
     for flag in ("--num-processes", "--cluster", "--steps", "--batch-size", "--checkpoint"):

@@ -156,7 +156,7 @@ def test_flax_scanned_transformer_with_attention_is_stacked_and_trains():
     """`nn.scan` over Transformer blocks with `MultiHeadDotProductAttention`: every
     parameter of the blocks is a stacked layer (2 stacked), nothing falls back; also
     under ``jax.value_and_grad``, whose scan saves residuals for the backward pass
-    (before `kfacx._jaxpr.dce` dropped them, the LayerNorm scales fell back)."""
+    (before `kfacx._helpers._jaxpr.dce` dropped them, the LayerNorm scales fell back)."""
     from _models import fixed_rate_run
 
     loss, params, batch = _flax_problem(_FlaxScannedTransformer(), (4, 3, 5), 3)

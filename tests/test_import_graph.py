@@ -1,9 +1,14 @@
-"""kfacx's modules import one another without circles, read from the source.
+"""kfacx's modules import one another without circles, and only downwards between wings,
+read from the source.
 
 Every ``import`` and ``from ... import`` statement of every module counts, those under
 ``if TYPE_CHECKING:`` and inside functions included: a circle there is a circle in the
 design even where Python would not trip over it. ``from package import name`` is an
 edge to the submodule ``package.name`` when there is one, else to the package.
+
+The wings are the entries of ``kfacx/``, from the bottom up (`WINGS`); a module may
+import from its own wing and from the wings below it. The package's ``__init__`` (the
+public names) sits on top of them all.
 """
 
 from __future__ import annotations
@@ -12,6 +17,23 @@ import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "kfacx"
+
+#: kfacx's wings from the bottom up (docs/overview.md draws the same picture).
+WINGS = (
+    "tags",
+    "_helpers",
+    "linalg",
+    "parallel",
+    "losses",
+    "blocks",
+    "graph_matcher",
+    "tracer",
+    "estimator",
+    "transform",
+    "optimizer",
+    "flax",
+    "kfac_jax",
+)
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -101,7 +123,7 @@ def test_the_import_graph_reads_every_module():
     edges = _import_graph()
     assert "kfacx.graph_matcher._match" in edges
     assert "kfacx.graph_matcher._graph" in edges["kfacx.graph_matcher._match"]
-    assert "kfacx._jaxpr" in edges["kfacx.graph_matcher._auto_register"]
+    assert "kfacx._helpers._jaxpr" in edges["kfacx.graph_matcher._auto_register"]
 
 
 def test_no_import_circles():
@@ -111,3 +133,57 @@ def test_no_import_circles():
 def test_a_circle_is_found():
     edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert _circles(edges) == [["a", "b", "c"]]
+
+
+def _wing(module: str) -> str | None:
+    """The wing of a module (``None`` for the package ``kfacx`` itself)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def _upward_imports(edges: dict[str, set[str]], wings=WINGS) -> list[tuple[str, str]]:
+    """The imports from a wing of a module of a wing above it (or of ``kfacx`` itself)."""
+    rank = {wing: i for i, wing in enumerate(wings)}
+    found = []
+    for source, targets in sorted(edges.items()):
+        if _wing(source) is None:
+            continue
+        for target in sorted(targets):
+            target_wing = _wing(target)
+            if target_wing is None or rank[target_wing] > rank[_wing(source)]:
+                found.append((source, target))
+    return found
+
+
+def test_every_entry_of_the_package_is_a_wing():
+    entries = {
+        path.stem
+        for path in ROOT.iterdir()
+        if path.name != "__init__.py"
+        and not path.name.startswith(".")
+        and path.name != "__pycache__"
+        and (path.suffix == ".py" or (path / "__init__.py").exists())
+    }
+    assert entries == set(WINGS), "place a new module of kfacx/ in a wing (WINGS)"
+    assert {_wing(name) for name in _import_graph()} - {None} == set(WINGS)
+
+
+def test_imports_only_go_down_between_wings():
+    assert _upward_imports(_import_graph()) == []
+
+
+def test_an_upward_import_is_found():
+    edges = {
+        "kfacx": {"kfacx.b.x"},
+        "kfacx.a.x": {"kfacx.a.y", "kfacx.b.x"},
+        "kfacx.a.y": set(),
+        "kfacx.b.x": {"kfacx.a.x", "kfacx"},
+    }
+    assert _upward_imports(edges, wings=("a", "b")) == [
+        ("kfacx.a.x", "kfacx.b.x"),
+        ("kfacx.b.x", "kfacx"),
+    ]
+    assert _upward_imports(edges, wings=("b", "a")) == [
+        ("kfacx.b.x", "kfacx"),
+        ("kfacx.b.x", "kfacx.a.x"),
+    ]

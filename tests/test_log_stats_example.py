@@ -9,7 +9,7 @@ import pathlib
 import runpy
 import sys
 
-from test_step_stats import OPTIONAL, page_fields
+from optimizer.test_step_stats import OPTIONAL, page_fields
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "log_stats.py"
 STEPS, PRINT_EVERY, ADAPTATION_INTERVAL = 7, 3, 5

@@ -14,7 +14,7 @@ model's (float64, ``ggn_exact``).
 
 A parameter cast to bfloat16 *before* it enters a `jit` body (`jnp.take` is one, so
 Flax's ``nn.Embed(dtype=jnp.bfloat16)``) or a `jax.checkpoint` body is recognised inside
-it (`kfacx._jaxpr.sink_invariants` moves the cast into the body).
+it (`kfacx._helpers._jaxpr.sink_invariants` moves the cast into the body).
 
 The models and the checks live in tests/_modern_models.py.
 """

@@ -95,7 +95,7 @@ tx = optax.chain(
     optax.apply_if_finite(kfac_sgd(learning_rate=0.1, damping=1e-2), max_consecutive_errors=5),
 )
 # [/apply-if-finite]
-# tests/test_optax_combinators.py runs it on a NaN batch: the step is skipped and the
+# tests/transform/test_optax_combinators.py runs it on a NaN batch: the step is skipped and the
 # parameters and the K-FAC state stay bit-identical.
 assert int(tx.init(params)[1].notfinite_count) == 0
 

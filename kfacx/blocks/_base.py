@@ -12,7 +12,7 @@ import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
 
-from kfacx import _checks
+from kfacx._helpers import _checks
 from kfacx.blocks._arrays import (  # noqa: F401  (re-exported: the blocks import them from here)
     Params,
     cast_to,

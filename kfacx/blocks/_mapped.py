@@ -3,7 +3,7 @@
 A learned per-feature query scaler ``x * (c * softplus(s))``, a log-scale
 ``x * exp(log_scale)``, a masked weight ``h @ (w * mask)``, a weight scaled by a
 constant: the layer computes with ``w = f(theta)``, ``f`` elementwise (a ``"map"`` step
-of a parameter view, `kfacx._views`). Its curvature in ``theta`` is that of the layer in
+of a parameter view, `kfacx._helpers._views`). Its curvature in ``theta`` is that of the layer in
 ``w`` carried through the map's diagonal Jacobian ``D = diag(f'(theta))``:
 ``F_theta = D F_w D`` (exact for the Gauss-Newton and Fisher matrices, which are
 ``J^T H J`` with ``J_theta = J_w D``).

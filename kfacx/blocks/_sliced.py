@@ -4,7 +4,7 @@
 ``jnp.split(w_h, [2H], axis=1)``: ``state @ w_h[:, :2H]`` computes the update and reset
 gates, ``(r * state) @ w_h[:, 2H:]`` the candidate, two dense layers on two inputs.
 Each slice is served as its own layer: the *sliced* layer (pseudo tag `SLICED_TAG`)
-has one role per layer, whose parameters are views (`kfacx._views`) of slices of the
+has one role per layer, whose parameters are views (`kfacx._helpers._views`) of slices of the
 shared leaves, and `SlicedBlock` holds a partial `kfacx.blocks.ViewBlock` per role
 (the role's own block, e.g. Kronecker-factored, over its slices). The roles' slices
 are disjoint and cover the leaves, so the block is block-diagonal over them: a vector
@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kfacx import _views
+from kfacx._helpers import _views
 from kfacx.blocks._base import BlockState, CurvatureBlock, LayerInfo, Params, statistics_of
 from kfacx.blocks._norms import kronecker_pieces
 from kfacx.blocks._views import ViewBlock
@@ -39,7 +39,7 @@ class SlicedBlock(CurvatureBlock):
 
     Args:
       layer: the sliced layer (pseudo tag `SLICED_TAG`): ``roles``, one `LayerInfo` per
-        layer reading slices of the parameters (views under `kfacx._views.VIEWS`), and
+        layer reading slices of the parameters (views under `kfacx._helpers._views.VIEWS`), and
         ``role_params``, the positions of each role's parameters among the layer's.
       role_ctor: ``role -> block class`` (or factory taking a `LayerInfo`) of a role's
         layer written with its effective parameters.

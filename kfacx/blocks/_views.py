@@ -3,7 +3,7 @@
 A fused-gate recurrent cell multiplies once by ``concatenate([w_i, w_f, w_g, w_o], -1)``
 (Flax's ``OptimizedLSTMCell``) or by ``concatenate([w_x, w_h], 0)`` on
 ``concatenate([x, h])``: one dense layer, whose weight is a *view* of several leaves
-(`kfacx._views`: the tag's metadata holds the expressions that build the layer's
+(`kfacx._helpers._views`: the tag's metadata holds the expressions that build the layer's
 parameters from its leaves). `ViewBlock` builds the layer's own block (any block
 class) for the parameters the view gives, its *effective* parameters, and carries it
 to the leaves: a vector of leaves is gathered into the effective parameters
@@ -28,7 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from kfacx import _views
+from kfacx._helpers import _views
 from kfacx.blocks._base import (
     BlockState,
     CurvatureBlock,
@@ -43,7 +43,7 @@ from kfacx.blocks._wrapper import WrapperBlock
 
 
 def effective_layer(layer: LayerInfo) -> LayerInfo:
-    """The `LayerInfo` of a layer whose parameters are views (`kfacx._views.VIEWS` in its
+    """The `LayerInfo` of a layer whose parameters are views (`kfacx._helpers._views.VIEWS` in its
     metadata) as if its effective parameters were leaves: their shapes, dtypes and
     readable names (``"concat[1](w_i, w_f)"``), and the metadata without the views."""
     views = _views.views_of(layer.meta)
@@ -65,7 +65,7 @@ class ViewBlock(WrapperBlock):
 
     Args:
       layer: the layer, with one view expression per parameter under
-        `kfacx._views.VIEWS` in its metadata and the leaves as its parameters.
+        `kfacx._helpers._views.VIEWS` in its metadata and the leaves as its parameters.
       inner_ctor: the block class (or factory taking a `LayerInfo`) of the layer
         written with its effective parameters (`effective_layer`); for views with
         elementwise maps it is wrapped in a `kfacx.blocks.MappedBlock`.

@@ -11,8 +11,9 @@ import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
 
-from kfacx import _jaxpr, _user_warnings, tags
-from kfacx._paths import checked_param_paths, param_origins
+from kfacx import tags
+from kfacx._helpers import _jaxpr, _user_warnings
+from kfacx._helpers._paths import checked_param_paths, param_origins
 from kfacx.graph_matcher import _custom_rules, _elementwise, _tagged_sites, _views
 from kfacx.graph_matcher._claims import AmbiguousPatternsError
 from kfacx.graph_matcher._defaults import DEFAULT_GRAPH_PATTERNS
@@ -28,7 +29,7 @@ _warn = _user_warnings.warn
 @dataclasses.dataclass
 class _Plan:
     """Matches of one jaxpr level, and the plans of the bodies below it: by equation (its
-    ``id``), one plan per body the equation runs (`kfacx._jaxpr.bodies`: one for a call
+    ``id``), one plan per body the equation runs (`kfacx._helpers._jaxpr.bodies`: one for a call
     or scan body, one per branch of a cond)."""
 
     matches: list[Match]
@@ -60,9 +61,9 @@ def _plan(
     scan bodies; ``depth`` counts the scans around ``jaxpr``; ``batch_sizes`` and
     ``consts`` (its `kfacx.graph_matcher._elementwise.Constants`): see `find_matches`.
 
-    Origins follow `kfacx._jaxpr.bodies`: inside a scan body, parameters closed over
+    Origins follow `kfacx._helpers._jaxpr.bodies`: inside a scan body, parameters closed over
     (consts) keep their leaf index and scanned-over ones (xs) are labelled
-    `kfacx._jaxpr.ScanSlice` (stacked layers); a cond branch sees the labels of the
+    `kfacx._helpers._jaxpr.ScanSlice` (stacked layers); a cond branch sees the labels of the
     cond's operands after the index.
     """
     consts = consts or _elementwise.Constants(jaxpr)
@@ -319,8 +320,8 @@ def _check_arguments(graph_patterns: Sequence[GraphPattern], on_unmatched: str) 
 
 def _traced_for_detection(func, func_args: tuple):
     """``(closed jaxpr, output tree)`` of ``func``, prepared for matching: unused results
-    dropped (`kfacx._jaxpr.dce`), shape operations hoisted out of scans moved back in
-    (`kfacx._jaxpr.sink_invariants`), and what that left unused dropped."""
+    dropped (`kfacx._helpers._jaxpr.dce`), shape operations hoisted out of scans moved back in
+    (`kfacx._helpers._jaxpr.sink_invariants`), and what that left unused dropped."""
     closed, out_shape = jax.make_jaxpr(func, return_shape=True)(*_specs(func_args))
     closed = _jaxpr.dce(_jaxpr.sink_invariants(_jaxpr.dce(closed)))
     return closed, jax.tree_util.tree_structure(out_shape)
@@ -328,7 +329,7 @@ def _traced_for_detection(func, func_args: tuple):
 
 def _batch_sizes(func_args: tuple, params_index: int) -> frozenset[int]:
     """The leading sizes of the arrays of ``func_args`` other than the parameters: where
-    a batch's examples are (`kfacx._batch_layout`)."""
+    a batch's examples are (`kfacx.optimizer._batch_layout`)."""
     others = [a for i, a in enumerate(func_args) if i != params_index]
     shapes = [jnp.shape(x) for x in jax.tree_util.tree_leaves(others)]
     return frozenset(int(s[0]) for s in shapes if s)

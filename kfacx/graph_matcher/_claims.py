@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kfacx import _views as views_meta
+from kfacx._helpers import _views as views_meta
 from kfacx.graph_matcher import _views
 from kfacx.graph_matcher._graph import Match
 from kfacx.graph_matcher._pattern import GraphPattern

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from kfacx import _jaxpr
+from kfacx._helpers import _jaxpr
 
 _CHECKED_RULES: dict[int, tuple[Any, bool]] = {}
 

@@ -2,7 +2,7 @@
 
 ``x * (1.4 * softplus(s))`` (a learned per-feature query scaler), ``x * exp(log_scale)``,
 ``h @ (w * mask)`` with a constant mask, ``h @ (2.0 * w)``: the layer's parameter is
-``f(theta)`` for an elementwise map ``f`` of `kfacx._elementwise.MAPS` whose other
+``f(theta)`` for an elementwise map ``f`` of `kfacx._helpers._elementwise.MAPS` whose other
 operands are constants. `map_step` recognises one such equation; the matcher's
 `kfacx.graph_matcher._views.resolve` follows them from a pattern parameter down to the
 leaves, into a ``("map", name, args, e)`` view expression.
@@ -23,10 +23,10 @@ import jax
 import jax.extend as jex
 import numpy as np
 
-from kfacx import _elementwise, _jaxpr
-from kfacx import _views as views_meta
+from kfacx._helpers import _elementwise, _jaxpr
+from kfacx._helpers import _views as views_meta
 
-#: Unary primitives that are maps of `kfacx._elementwise.MAPS` (same name).
+#: Unary primitives that are maps of `kfacx._helpers._elementwise.MAPS` (same name).
 _UNARY = ("neg", "exp", "logistic", "square")
 #: Binary primitives ``x op c`` -> map name, and ``c op x`` -> map name (None: not served).
 _BINARY = {
@@ -128,7 +128,7 @@ class Constants:
 
 
 def body_constants(constants: Constants, eqn: Any, body: Any) -> Constants:
-    """The `Constants` of ``body``, one of the `kfacx._jaxpr.bodies` of ``eqn`` in a jaxpr
+    """The `Constants` of ``body``, one of the `kfacx._helpers._jaxpr.bodies` of ``eqn`` in a jaxpr
     of ``constants``: its own constants, and its inputs whose operands are constants
     there (a mask closed over by a `lax.scan` or `jax.checkpoint` body is an operand)."""
     if body.scan is not None:
@@ -151,7 +151,7 @@ def body_constants(constants: Constants, eqn: Any, body: Any) -> Constants:
 
 def map_step(graph: Any, eqn: Any) -> tuple[str, Any, Any] | None:
     """``(name, constant operand or None, operand)`` if ``eqn`` may compute an elementwise
-    map (`kfacx._elementwise.MAPS`) of ``operand`` with the other operands constant,
+    map (`kfacx._helpers._elementwise.MAPS`) of ``operand`` with the other operands constant,
     ``operand`` having the result's shape; None otherwise. The constant's value is read
     by `map_args`, once the operand is known to be parameters."""
     if len(eqn.outvars) != 1 or not _is_float(eqn.outvars[0]):
@@ -181,7 +181,7 @@ def _binary_step(graph: Any, name: str, a: Any, b: Any) -> tuple[str, Any, Any] 
 
 
 def map_args(graph: Any, eqn: Any, step: tuple[str, Any, Any]) -> tuple | None:
-    """The constant arguments of a `map_step` (`kfacx._elementwise.constant` values), or
+    """The constant arguments of a `map_step` (`kfacx._helpers._elementwise.constant` values), or
     None if its constant cannot be computed."""
     name, const, _ = step
     if name == "integer_pow":

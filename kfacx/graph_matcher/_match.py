@@ -25,8 +25,9 @@ from typing import Any
 import jax.extend as jex
 import numpy as np
 
-from kfacx import _jaxpr, tags
-from kfacx import _views as views_meta
+from kfacx import tags
+from kfacx._helpers import _jaxpr
+from kfacx._helpers import _views as views_meta
 from kfacx.graph_matcher import _elementwise, _views
 from kfacx.graph_matcher._claims import MANUAL, can_tie, check_unambiguous, claim_key
 from kfacx.graph_matcher._graph import SHAPE_ONLY, Graph, Match

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import math
 
-from kfacx import _jaxpr, tags
+from kfacx import tags
+from kfacx._helpers import _jaxpr
 from kfacx.graph_matcher import _views
 from kfacx.graph_matcher._claims import MANUAL
 

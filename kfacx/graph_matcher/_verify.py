@@ -16,7 +16,7 @@ import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
 
-from kfacx import _compile, _jaxpr, _views
+from kfacx._helpers import _compile, _jaxpr, _views
 from kfacx.graph_matcher._graph import SHAPE_ONLY, Graph, Match
 
 

@@ -9,7 +9,7 @@ of parameter leaves (`resolve`: each piece a leaf seen through shape-only operat
 a ``slice`` / ``split`` of a leaf, or a nested concatenation; any of these through
 elementwise maps with constants, `kfacx.graph_matcher._elementwise`: ``c * softplus(s)``,
 ``w * mask``) as a `View`; the match
-then takes the leaves as its parameters and records, under `kfacx._views.VIEWS` in
+then takes the leaves as its parameters and records, under `kfacx._helpers._views.VIEWS` in
 the tag's metadata, the expressions that build the layer's parameters from them
 (`flatten`).
 
@@ -40,7 +40,7 @@ from typing import Any
 import jax
 import jax.extend as jex
 
-from kfacx import _jaxpr, _views
+from kfacx._helpers import _jaxpr, _views
 from kfacx.graph_matcher import _elementwise
 from kfacx.graph_matcher._graph import SHAPE_ONLY
 
@@ -62,7 +62,7 @@ class View:
 
     Attributes:
       leaves: the leaf variables, in order of first use.
-      expr: the `kfacx._views` expression building ``out`` from ``leaves``.
+      expr: the `kfacx._helpers._views` expression building ``out`` from ``leaves``.
       eqns: the equations from the leaves to ``out``.
       out: the concatenation's variable.
     """

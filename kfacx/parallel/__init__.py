@@ -12,7 +12,7 @@ rng key::
 With several processes (`jax.distributed`, as on several hosts) the step is
 pmapped over the devices of all processes: each process passes the inputs of its
 own devices, made with these helpers from its own rows of the global batch
-(tests/test_multiprocess.py; checkpoints: see `get_first`).
+(tests/parallel/test_multiprocess.py; checkpoints: see `get_first`).
 
 The package also holds kfacx's own multi-device machinery, private modules used
 by the layers above (they do no communication of their own beyond JAX's

@@ -20,7 +20,7 @@ the global batch, and one rng key serves all devices (``shard_map`` folds the
 device index into it, so devices draw different samples). Runs of several
 processes (as on several hosts) use the same code after
 `jax.distributed.initialize`, with a mesh over all processes' devices and
-global batches (tests/test_multiprocess.py).
+global batches (tests/parallel/test_multiprocess.py).
 """
 
 from __future__ import annotations

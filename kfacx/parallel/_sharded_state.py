@@ -11,7 +11,7 @@ state and nothing else. `PackLayout`
 is that static layout (offsets and shapes), for any list of pytrees with an owner
 each; it packs and unpacks exactly (concatenation and slices, no arithmetic).
 
-This module knows nothing of curvature blocks; `kfacx._sharded_curvature` builds the
+This module knows nothing of curvature blocks; `kfacx.estimator._sharded_curvature` builds the
 layouts of an estimator's state, statistics and preconditioned gradients.
 """
 

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kfacx import _elementwise, _views, blocks, tags
+from kfacx import blocks, tags
+from kfacx._helpers import _elementwise, _views
 
 N, DX, DO = 5, 3, 2
 DAMPING = 0.3

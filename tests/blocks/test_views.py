@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kfacx import _views, blocks, tags
+from kfacx import blocks, tags
+from kfacx._helpers import _views
 
 N, DX, DH, G = 5, 3, 2, 2
 DAMPING = 0.3

@@ -160,7 +160,7 @@ def test_params_index_other_than_zero():
 
 def test_parameters_inside_a_while_loop_fall_back_with_a_note():
     # Layers inside lax.scan and lax.cond are detected (tests/graph_matcher/test_scan.py,
-    # tests/test_control_flow.py); a while loop (unknown trip count) is not looked into.
+    # tests/tracer/test_control_flow.py); a while loop (unknown trip count) is not looked into.
     rng = np.random.default_rng(0)
     params = dict(w0=M.normal(rng, 4, 3), ws=M.normal(rng, 3, 3, scale=0.3))
     batch = M.two_layer_batch()

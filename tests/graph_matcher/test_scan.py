@@ -69,7 +69,7 @@ def test_tagged_function_has_same_value_and_gradient(name, variant):
     assert_trees_close(*_both(jax.value_and_grad, tagged, loss, args))
     # The tags sit inside the scan's body.
     (scan,) = [e for e in jax.make_jaxpr(tagged)(*args).jaxpr.eqns if e.primitive.name == "scan"]
-    assert kfacx._jaxpr.contains_tags(scan.params["jaxpr"].jaxpr)
+    assert kfacx._helpers._jaxpr.contains_tags(scan.params["jaxpr"].jaxpr)
 
 
 @functools.cache

@@ -81,7 +81,7 @@ def _nested_problem():
 def test_two_levels_of_stacking_raise_or_fall_back():
     """Nested scans that both run over a weight ``[2, DEPTH, ...]`` (layers within layers)
     are served by neither a stacked block nor folding; nested scans that close over the
-    parameters at one level are (tests/test_nested_scans.py)."""
+    parameters at one level are (tests/tracer/test_nested_scans.py)."""
     args = _nested_problem()
     with pytest.raises(ValueError, match=r"dense_tag\[w\] sits in nested `scan`s that both run"):
         kfacx.BlockDiagonalCurvature(_nested_loss(True), auto_register_tags=False).init(KEY, args)
@@ -176,28 +176,30 @@ def test_tagged_scan_body_constants_become_const_operands():
 
     closed = jax.make_jaxpr(f)(w, x)
     (eqn,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "scan"]
-    nc, body = kfacx._jaxpr.scan_counts(eqn.params)[0], eqn.params["jaxpr"]
+    nc, body = kfacx._helpers._jaxpr.scan_counts(eqn.params)[0], eqn.params["jaxpr"]
     assert nc == 1
     # Move the const operand into the body's own consts: the body traced again with the
     # operand's value captured (a const of the traced body, on every JAX version).
     values = dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
     captured = [jnp.asarray(values[v]) for v in eqn.invars[:nc]]
     closed_body = jax.make_jaxpr(
-        lambda *a: kfacx._jaxpr.eval_jaxpr(body.jaxpr, body.consts, [*captured, *a])
+        lambda *a: kfacx._helpers._jaxpr.eval_jaxpr(body.jaxpr, body.consts, [*captured, *a])
     )(*[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in body.jaxpr.invars[nc:]])
     assert len(closed_body.consts) == nc
     inner = closed_body.jaxpr
     params = dict(eqn.params, jaxpr=closed_body)
-    params = kfacx._jaxpr.scan_params(params, 0, len(eqn.invars) - nc, len(eqn.outvars))
+    params = kfacx._helpers._jaxpr.scan_params(params, 0, len(eqn.invars) - nc, len(eqn.outvars))
     eqn = eqn.replace(invars=eqn.invars[nc:], params=params)
-    want = kfacx._jaxpr.bind_eqn(eqn, [x, w])
-    origins = kfacx._jaxpr.scan_body_origins(eqn, [None, 0])
+    want = kfacx._helpers._jaxpr.bind_eqn(eqn, [x, w])
+    origins = kfacx._helpers._jaxpr.scan_body_origins(eqn, [None, 0])
     plan = AR._plan(inner, origins, list(kfacx.DEFAULT_GRAPH_PATTERNS), {}, [], True)
     assert [m.stacked for m in plan.matches] == [True]
     tagged = jax.make_jaxpr(lambda x, w: AR._rebind_scan(eqn, [x, w], plan))(x, w)
-    (scan,) = [e for e in tagged.jaxpr.eqns if kfacx._jaxpr.is_scan(e)]
-    assert kfacx._jaxpr.scan_counts(scan.params)[0] == 1 and scan.params["jaxpr"].consts == []
-    assert kfacx._jaxpr.contains_tags(scan.params["jaxpr"].jaxpr)
+    (scan,) = [e for e in tagged.jaxpr.eqns if kfacx._helpers._jaxpr.is_scan(e)]
+    assert (
+        kfacx._helpers._jaxpr.scan_counts(scan.params)[0] == 1 and scan.params["jaxpr"].consts == []
+    )
+    assert kfacx._helpers._jaxpr.contains_tags(scan.params["jaxpr"].jaxpr)
     got = jax.extend.core.jaxpr_as_fun(tagged)(x, w)
     for g, v in zip(got, want, strict=True):
         assert_close(g, v)
