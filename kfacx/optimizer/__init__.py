@@ -435,22 +435,18 @@ class Optimizer:
         if (batch is None) == (data_iterator is None):
             raise ValueError("Pass exactly one of batch and data_iterator.")
         batch, func_state = self.placement.adopt(batch, func_state)
-        if not self._is_set_up and batch is not None:  # E.g. resuming from a checkpoint.
+        if not self._is_set_up and batch is not None:
+            # A state made by another Optimizer (resumed from a checkpoint): `init`'s
+            # set-up, which this one never ran.
             self._set_up(params, rng, batch, func_state)
-        calibrate = self.damping.use_initial_damping_calibration
-        first = (self.curvature.num_burnin_steps or calibrate) and self._first_step(
-            state, global_step_int
-        )
-        if first and self.curvature.num_burnin_steps:
-            rng, state, func_state = self._burnin_first(
-                params, state, rng, batch, data_iterator, func_state
+        if self._first_step(state, global_step_int):
+            values = (learning_rate, momentum, global_step_int)
+            rng, state, batch, func_state = self._before_first_step(
+                params, state, rng, batch, data_iterator, func_state, values
             )
+        self._past_first_step = True
         if batch is None:
             batch = next(data_iterator)
-        if first and calibrate:
-            values = (learning_rate, momentum, global_step_int)
-            state = self._calibrate_damping(params, state, rng, batch, func_state, values)
-        self._past_first_step = True
         batch, params, state, rng, func_state = self.placement.put(
             batch, params, state, rng, func_state
         )
@@ -467,8 +463,28 @@ class Optimizer:
         args.insert(3, batch)  # (params, state, rng, batch, func_state)
         return _calibration.calibrated_state(self._staged_ratio, args, values, self.damping)
 
+    def _before_first_step(self, params, state, rng, batch, data_iterator, func_state, values):
+        """The one phase before the first step, as kfac-jax runs it (it needs the step's
+        data): the burn-in (``num_burnin_steps`` batches from ``data_iterator``, else
+        ``batch`` repeated) and the initial damping's calibration on the step's batch
+        (``use_initial_damping_calibration``). Returns ``(rng, state, batch,
+        func_state)``: ``rng`` split off the burn-in's key, ``batch`` drawn from
+        ``data_iterator`` when the step was given none."""
+        if self.curvature.num_burnin_steps:
+            rng, state, func_state = self._burnin_first(
+                params, state, rng, batch, data_iterator, func_state
+            )
+        if self.damping.use_initial_damping_calibration:
+            if batch is None:
+                batch = next(data_iterator)
+            state = self._calibrate_damping(params, state, rng, batch, func_state, values)
+        return rng, state, batch, func_state
+
     def _first_step(self, state, global_step_int) -> bool:
-        """Whether this is the first step (reads the counter only until it is past)."""
+        """Whether this step is the first and has a phase before it (burn-in or damping
+        calibration); reads the counter only until the first step is past."""
+        if not (self.curvature.num_burnin_steps or self.damping.use_initial_damping_calibration):
+            return False
         if global_step_int is not None:
             return int(global_step_int) == 0
         if self._past_first_step:
