@@ -8,6 +8,8 @@ each model this compiles, in one process:
 - ``adam``: an Adam step (optax, weight decay), the first-order reference;
 - ``kfac``: `kfacx.Optimizer`'s step with the README's settings (L2 term, adaptive
   learning rate, momentum and damping, ``initial_damping=1.0``), its refresh inside;
+- ``kfac_donated``: the same step with its params and state donated
+  (``donate_params_and_state=True``, as kfac-jax's step always donates);
 - ``kfac_no_refresh``: the same step with the refresh taken out (what most steps run);
 - ``refresh``: the refresh alone (`BlockDiagonalCurvature.update_cache`).
 
@@ -88,10 +90,10 @@ def count_kernels(hlo_text: str) -> int:
     return count(entry, frozenset({entry}))
 
 
-def measure(fn: Callable, args: tuple) -> dict:
-    """Trace, lower and compile ``jax.jit(fn)`` on ``args``; its kernels."""
+def measure(fn: Callable, args: tuple, **jit_kwargs) -> dict:
+    """Trace, lower and compile ``jax.jit(fn, **jit_kwargs)`` on ``args``; its kernels."""
     t0 = time.perf_counter()
-    traced = jax.jit(fn).trace(*args)
+    traced = jax.jit(fn, **jit_kwargs).trace(*args)
     t1 = time.perf_counter()
     lowered = traced.lower()
     t2 = time.perf_counter()
@@ -157,6 +159,8 @@ def model_pieces(loss_fn, params, batch, func_state=None) -> dict:
         return lambda *a: opt.unstaged_step(*a)
 
     out["kfac"] = measure(make_step(), args)
+    # As `Optimizer(donate_params_and_state=True)` stages it (kfac-jax's step donates).
+    out["kfac_donated"] = measure(make_step(), args, donate_argnums=(0, 1))
     out["refresh"] = measure(opt.estimator.update_cache, (state.estimator_state, jnp.float32(1.0)))
     opt.estimator.update_cache = lambda est_state, *_, **__: est_state
     try:
@@ -213,7 +217,7 @@ def main(argv=None) -> dict:
             f"{'program':<18}{'kernels':>9}{'x Adam':>8}{'trace s':>9}{'lower s':>9}"
             f"{'XLA s':>8}{'first s':>9}{'x Adam':>8}"
         )
-        for piece in ("adam", "kfac", "kfac_no_refresh", "refresh"):
+        for piece in ("adam", "kfac", "kfac_donated", "kfac_no_refresh", "refresh"):
             r = pieces[piece]
             print(
                 f"{piece:<18}{r['kernels']:>9d}{r['kernels'] / adam['kernels']:>8.2f}"

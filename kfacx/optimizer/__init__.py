@@ -142,6 +142,13 @@ class Optimizer:
       add_l2_reg: the optimizer adds the ``l2_reg`` term to the loss itself (to the
         gradient and to the loss change behind ``rho``), as kfacx's ``l2_reg`` did in
         0.1.0.dev0 before it took kfac-jax's meaning.
+      donate_params_and_state: `step` donates the buffers of the ``params``, ``state``
+        and ``func_state`` it is given to its outputs, as kfac-jax's step always does:
+        the new state reuses the memory of the old (no copy of the curvature factors
+        and cached inverses a step leaves alone), and the arrays passed in are deleted.
+        Use only the returned values after a step. It saves memory, not time: on the
+        CPU the donated step is about 6% slower (docs/benchmarks.md, "Kernels of the
+        step"). Default False: the inputs stay valid.
       **kwargs: any config field by its (kfac-jax) name, e.g.
         ``use_adaptive_damping=True, initial_damping=1.0``; overrides the configs.
         Each field is documented on its config class (kfac-jax's less common
@@ -186,6 +193,7 @@ class Optimizer:
         regularized_parameters_path_exclusions: Sequence[str] = (),
         add_l2_reg: bool = False,
         shard_curvature_state: bool = False,
+        donate_params_and_state: bool = False,
         **kwargs: Any,
     ):
         if not callable(value_and_grad_func):
@@ -210,6 +218,7 @@ class Optimizer:
             shard_curvature_state,
         )
         self.debug = debug
+        self.donate_params_and_state = bool(donate_params_and_state)
         call = LossCall(
             value_and_grad_func, value_func_has_aux, value_func_has_state, value_func_has_rng
         )
@@ -366,8 +375,11 @@ class Optimizer:
             rest = 2 if self.value_func_has_state else 1  # (func_state,) stats
             outs = lambda p, r: (p, self._state_shardings(p, r), *[r] * rest)  # noqa: E731
 
+            donate = ()
+            if self.donate_params_and_state:  # (params, state, rng, batch, func_state, ...)
+                donate = (0, 1, 4) if self.value_func_has_state else (0, 1)
             self._staged_step = self.placement.stage(
-                self.unstaged_step, self.debug, self.value_func_has_aux, outs
+                self.unstaged_step, self.debug, self.value_func_has_aux, outs, donate
             )
         return self._staged_step
 

@@ -12,9 +12,12 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 
-def owned_pmap(fn: Callable[..., Any], axis_name: str, in_axes: Any = 0) -> Callable[..., Any]:
-    """``jax.pmap(fn, axis_name=axis_name, in_axes=in_axes)`` (``in_axes`` 0 or None per
-    positional argument, keyword arguments mapped), owned by the caller.
+def owned_pmap(
+    fn: Callable[..., Any], axis_name: str, in_axes: Any = 0, donate_argnums: tuple[int, ...] = ()
+) -> Callable[..., Any]:
+    """``jax.pmap(fn, axis_name=axis_name, in_axes=in_axes, donate_argnums=donate_argnums)``
+    (``in_axes`` 0 or None per positional argument, keyword arguments mapped), owned by
+    the caller.
 
     Since jax 0.10, `jax.pmap` is a jit of a `jax.shard_map`, cached process-wide in a
     weak-keyed cache whose entry holds the function strongly, so neither the function
@@ -27,7 +30,7 @@ def owned_pmap(fn: Callable[..., Any], axis_name: str, in_axes: Any = 0) -> Call
     `jax.pmap`.
     """
     if jax.process_count() > 1:
-        return jax.pmap(fn, axis_name=axis_name, in_axes=in_axes)
+        return jax.pmap(fn, axis_name=axis_name, in_axes=in_axes, donate_argnums=donate_argnums)
     compiled: dict[Any, Callable[..., Any]] = {}
 
     def mapped(*args: Any, **kwargs: Any) -> Any:
@@ -36,9 +39,11 @@ def owned_pmap(fn: Callable[..., Any], axis_name: str, in_axes: Any = 0) -> Call
             raise ValueError(
                 f"pmap: in_axes has {len(axes)} entries for {len(args)} positional arguments."
             )
-        leaves, leaf_axes = [], []
-        for arg, axis in zip(args, axes, strict=True):
+        leaves, leaf_axes, donated = [], [], []
+        for i, (arg, axis) in enumerate(zip(args, axes, strict=True)):
             arg_leaves = jax.tree.leaves(arg)
+            if i in donate_argnums:
+                donated += range(len(leaves), len(leaves) + len(arg_leaves))
             leaves += arg_leaves
             leaf_axes += [axis] * len(arg_leaves)
         kwarg_leaves = jax.tree.leaves(kwargs)
@@ -55,13 +60,13 @@ def owned_pmap(fn: Callable[..., Any], axis_name: str, in_axes: Any = 0) -> Call
         if key not in compiled:
             # As pmap: the first `size` local devices.
             mesh = Mesh(jax.local_devices()[: key[2]], (axis_name,))
-            compiled[key] = _jit_of_shard_map(fn, mesh, axis_name, treedef, key[1])
+            compiled[key] = _jit_of_shard_map(fn, mesh, axis_name, treedef, key[1], tuple(donated))
         return compiled[key](*leaves)
 
     return functools.wraps(fn)(mapped)
 
 
-def _jit_of_shard_map(fn, mesh, axis_name, treedef, leaf_axes):
+def _jit_of_shard_map(fn, mesh, axis_name, treedef, leaf_axes, donated=()):
     def per_device(*leaves):
         leaves = [
             x if axis is None else jax.lax.squeeze(x, [0])
@@ -81,5 +86,6 @@ def _jit_of_shard_map(fn, mesh, axis_name, treedef, leaf_axes):
             in_specs=in_specs,
             out_specs=PartitionSpec(axis_name),
             check_vma=False,
-        )
+        ),
+        donate_argnums=donated,
     )

@@ -261,6 +261,7 @@ class Placement:
         debug: bool,
         has_aux: bool = False,
         out_shardings: OutShardings | None = None,
+        donate_argnums: tuple[int, ...] = (),
     ) -> Callable[..., Any]:
         """Stages ``fn(params, state, rng, batch, func_state, *options)``.
 
@@ -276,28 +277,32 @@ class Placement:
         parameters' shardings for the new parameters and anything shaped like
         them), so that nothing parameter-sized is replicated.
 
+        The arguments at ``donate_argnums`` are donated (their buffers may be reused
+        for the outputs and deleted), under every placement.
+
         Raises:
           TypeError: if ``fn``'s leading parameters are not `STEP_INPUTS`.
         """
         names = _parameter_names(fn)
+        donate = {"donate_argnums": tuple(donate_argnums)}
         if debug and self.kind in ("single", "pmap"):
             return fn
         if self.kind == "single":
-            return self._jit(fn)
+            return self._jit(fn, **donate)
         if self.kind == "pmap":
             in_axes = tuple(0 if name in STEP_INPUTS else None for name in names)
-            return owned_pmap(fn, self.axis_name, in_axes)
+            return owned_pmap(fn, self.axis_name, in_axes, **donate)
         if self.kind == "mesh":
             if debug:
                 return fn
             if self.shard_state:
-                staged = self._jit(self._constrained(fn))
+                staged = self._jit(self._constrained(fn), **donate)
                 kept = self._constrained(fn, others=False)
-                return self._keeping_param_shardings(kept, staged, out_shardings)
-            replicated = self._jit(fn, out_shardings=self.replicated())
-            return self._keeping_param_shardings(fn, replicated, out_shardings)
+                return self._keeping_param_shardings(kept, staged, out_shardings, **donate)
+            replicated = self._jit(fn, out_shardings=self.replicated(), **donate)
+            return self._keeping_param_shardings(fn, replicated, out_shardings, **donate)
         if self.shard_state:
-            return self._stage_sharded_shard_map(fn, debug, has_aux, out_shardings)
+            return self._stage_sharded_shard_map(fn, debug, has_aux, out_shardings, **donate)
         axis = self.axis_name
 
         def local(params, state, rng, batch, func_state, *options):
@@ -326,10 +331,16 @@ class Placement:
 
         if debug:
             return staged
-        return self._keeping_param_shardings(staged, self._jit(staged), out_shardings)
+        return self._keeping_param_shardings(
+            staged, self._jit(staged, **donate), out_shardings, **donate
+        )
 
     def _keeping_param_shardings(
-        self, fn: Callable[..., Any], staged: Callable[..., Any], out_shardings: Any
+        self,
+        fn: Callable[..., Any],
+        staged: Callable[..., Any],
+        out_shardings: Any,
+        donate_argnums: tuple[int, ...] = (),
     ) -> Callable[..., Any]:
         """``staged`` (``fn`` jit-compiled with replicated outputs) for replicated
         parameters; for parameters sharded over the mesh, ``fn`` jit-compiled with
@@ -345,7 +356,7 @@ class Placement:
             key = (jax.tree.structure(shardings), tuple(jax.tree.leaves(shardings)))
             if key not in compiled:
                 outs = out_shardings(shardings, self.replicated())
-                compiled[key] = self._jit(fn, out_shardings=outs)
+                compiled[key] = self._jit(fn, out_shardings=outs, donate_argnums=donate_argnums)
             return compiled[key]
 
         def call(params, *args):
@@ -357,12 +368,18 @@ class Placement:
         return call
 
     def _stage_sharded_shard_map(
-        self, fn: Callable[..., Any], debug: bool, has_aux: bool, out_shardings: Any = None
+        self,
+        fn: Callable[..., Any],
+        debug: bool,
+        has_aux: bool,
+        out_shardings: Any = None,
+        donate_argnums: tuple[int, ...] = (),
     ) -> Callable[..., Any]:
         """`stage` under ``shard_map`` with ``shard_curvature_state``: the buffers of
         every `ShardedEstimatorState` among the inputs and outputs are split over the
         data axis (each device sees its own row), everything else as in `stage`."""
         names, axis = _parameter_names(fn), self.axis_name
+        donate = {"donate_argnums": tuple(donate_argnums)}
         found: list[Any] = []  # the outputs' structure, with the sharded states cut out
 
         def local(*args):
@@ -400,7 +417,9 @@ class Placement:
 
         if debug:
             return staged
-        return self._keeping_param_shardings(staged, self._jit(staged), out_shardings)
+        return self._keeping_param_shardings(
+            staged, self._jit(staged, **donate), out_shardings, **donate
+        )
 
     def _jit(self, fn: Callable[..., Any], **kwargs: Any) -> Callable[..., Any]:
         if self.compiler_options:
