@@ -218,6 +218,10 @@ class Optimizer:
             shard_curvature_state,
         )
         self.debug = debug
+        if not isinstance(donate_params_and_state, (bool, np.bool_)):
+            raise TypeError(
+                f"donate_params_and_state must be True or False, got {donate_params_and_state!r}."
+            )
         self.donate_params_and_state = bool(donate_params_and_state)
         call = LossCall(
             value_and_grad_func, value_func_has_aux, value_func_has_state, value_func_has_rng

@@ -127,3 +127,8 @@ def test_the_donated_step_copies_less():
         if donate:
             assert "input_output_alias" in text
     assert sizes[1] < sizes[0], sizes
+
+
+def test_donate_params_and_state_must_be_a_bool():
+    with pytest.raises(TypeError, match="donate_params_and_state must be True or False, got 'yes'"):
+        kfacx.Optimizer(jax.value_and_grad(mlp_loss), donate_params_and_state="yes")
