@@ -15,7 +15,7 @@ OPTIONS = dict(
     l2_reg=1e-3,
     estimation_mode="ggn_exact",  # no sampling: the placements agree exactly
     inverse_update_period=2,  # a step with the refresh and one without
-    num_burnin_steps=1,
+    num_burnin_steps=0,  # the burn-in's own program is not donated
     **ADAPTIVE,
 )
 STEPS = 3
