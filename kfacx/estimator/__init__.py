@@ -1,16 +1,9 @@
 """The block-diagonal curvature estimator: one curvature block per layer tag.
 
-The estimator's wing (below it: tracer, detection, blocks, losses, parallel; above
-it: the transforms and the Optimizer):
-
-* ``_statistics``: a batch's per-layer statistics (`CurvatureStats`) from the
-  tracer's layer inputs and output cotangents, under each estimation mode;
-* ``_refresh``: the inverse refresh, batched over blocks of one size, on
-  schedule, and spread over devices (``distributed_inverses``);
-* ``_identity_weights``: each block's share of the damping (pi-adjusted norms);
-* ``_sharded_curvature``, ``_sharded_units``, ``_sharded_checkpoint``: the
-  estimator state packed per owner device (``shard_curvature_state=True``), its
-  units, and checkpoints of it on any device count.
+Its wing: ``_statistics`` (a batch's per-layer statistics, per estimation mode),
+``_refresh`` (the inverse refresh, batched per size bucket, spread over devices),
+``_identity_weights`` (each block's damping), ``_sharded_*`` (the state packed per
+owner device, its units and checkpoints).
 """
 
 from __future__ import annotations

@@ -21,20 +21,11 @@ Options are grouped in frozen config dataclasses (`CurvatureConfig`,
 `LearningRateConfig`, `DampingConfig`, `BatchConfig`); each field can also be
 passed as a flat keyword argument with kfac-jax's name.
 
-The Optimizer's wing (below it: the transforms, the estimator and everything under
-them):
-
-* ``_configs``: the config dataclasses and the flat kfac-jax keyword options;
-* ``_step``: one step as a pipeline (statistics, fold, refresh, precondition,
-  learning rate and momentum, damping, stats);
-* ``_loss_passes`` and ``_batch_layout``: the forward and backward passes over a
-  batch, its examples, subsets and micro-batches;
-* ``_quadratic_model``: the exact quadratic model of the loss along the step
-  (the learning rate and momentum it chooses, and the predicted change);
-* ``_damping`` and ``_calibration``: the Levenberg-Marquardt damping and the
-  first damping's calibration;
-* ``_l2``: the L2 regularisation's gradient and curvature;
-* ``_keys``: the random keys and batches of the optimizer's loops, per device.
+Its wing: ``_configs`` (the config dataclasses, kfac-jax's flat options),
+``_step`` (one step as a pipeline), ``_loss_passes`` and ``_batch_layout`` (the
+passes over a batch and its micro-batches), ``_quadratic_model`` (the learning rate
+and momentum it solves for), ``_damping`` and ``_calibration``, ``_first_step`` (the
+burn-in and the calibration before the first step), ``_l2``, ``_keys``.
 """
 
 from __future__ import annotations
@@ -50,7 +41,6 @@ from kfacx._helpers import _checks
 from kfacx.blocks._base import zeros
 from kfacx.estimator import EstimatorState
 from kfacx.estimator._sharded_curvature import sharded_curvature
-from kfacx.optimizer import _calibration, _keys
 from kfacx.optimizer._configs import (
     BatchConfig,
     CurvatureConfig,
@@ -60,6 +50,7 @@ from kfacx.optimizer._configs import (
     resolve_configs,
     schedules,
 )
+from kfacx.optimizer._first_step import FirstStep
 from kfacx.optimizer._l2 import Regularization
 from kfacx.optimizer._loss_passes import BatchPasses, LossCall
 from kfacx.optimizer._step import KfacStep
@@ -240,10 +231,10 @@ class Optimizer:
             sharded_curvature(self.placement, self.estimator),
         )
         self._staged_step = None
-        self._staged_burnin = None
-        self._staged_ratio = None
         self._is_set_up = False
-        self._past_first_step = False
+        self._first = FirstStep(
+            self._kfac_step, self.placement, curvature, damping, self._state_shardings, debug
+        )
 
     # The options the step was built with (read-only: the step, the estimator and the
     # passes over the batch are made from them once).
@@ -298,7 +289,7 @@ class Optimizer:
         self._check_func_state(func_state)
         params, rng, batch, func_state = self.placement.adopt(params, rng, batch, func_state)
         _checks.check_init_args(params, batch, example_axis=int(self.multi_device))
-        self._past_first_step = False
+        self._first.past = False
         init = self.placement.stage_init(self.unstaged_init, self.debug, self._state_shardings)
         self._set_up(params, rng, batch, func_state)
         if not self.multi_device:
@@ -455,12 +446,12 @@ class Optimizer:
             # A state made by another Optimizer (resumed from a checkpoint): `init`'s
             # set-up, which this one never ran.
             self._set_up(params, rng, batch, func_state)
-        if self._first_step(state, global_step_int):
+        if self._first.due(state, global_step_int):  # the burn-in and the calibration
             values = (learning_rate, momentum, global_step_int)
-            rng, state, batch, func_state = self._before_first_step(
+            rng, state, batch, func_state = self._first.run(
                 params, state, rng, batch, data_iterator, func_state, values
             )
-        self._past_first_step = True
+        self._first.past = True
         if batch is None:
             batch = next(data_iterator)
         batch, params, state, rng, func_state = self.placement.put(
@@ -469,53 +460,6 @@ class Optimizer:
         return self._stage()(
             params, state, rng, batch, func_state, learning_rate, momentum, damping, global_step_int
         )
-
-    def _calibrate_damping(self, params, state, rng, batch, func_state, values):
-        """``state`` with the damping calibrated on the first batch
-        (``use_initial_damping_calibration``, see `kfacx.DampingConfig`)."""
-        if self._staged_ratio is None:
-            self._staged_ratio = self.placement.stage(self._kfac_step.calibration_ratio, self.debug)
-        batch, *args = self.placement.put(batch, params, state, rng, func_state)
-        args.insert(3, batch)  # (params, state, rng, batch, func_state)
-        return _calibration.calibrated_state(self._staged_ratio, args, values, self.damping)
-
-    def _before_first_step(self, params, state, rng, batch, data_iterator, func_state, values):
-        """The one phase before the first step, as kfac-jax runs it (it needs the step's
-        data): the burn-in (``num_burnin_steps`` batches from ``data_iterator``, else
-        ``batch`` repeated) and the initial damping's calibration on the step's batch
-        (``use_initial_damping_calibration``). Returns ``(rng, state, batch,
-        func_state)``: ``rng`` split off the burn-in's key, ``batch`` drawn from
-        ``data_iterator`` when the step was given none."""
-        if self.curvature.num_burnin_steps:
-            rng, state, func_state = self._burnin_first(
-                params, state, rng, batch, data_iterator, func_state
-            )
-        if self.damping.use_initial_damping_calibration:
-            if batch is None:
-                batch = next(data_iterator)
-            state = self._calibrate_damping(params, state, rng, batch, func_state, values)
-        return rng, state, batch, func_state
-
-    def _first_step(self, state, global_step_int) -> bool:
-        """Whether this step is the first and has a phase before it (burn-in or damping
-        calibration); reads the counter only until the first step is past."""
-        if not (self.curvature.num_burnin_steps or self.damping.use_initial_damping_calibration):
-            return False
-        if global_step_int is not None:
-            return int(global_step_int) == 0
-        if self._past_first_step:
-            return False
-        return int(np.asarray(state.step_counter).reshape(-1)[0]) == 0
-
-    def _burnin_first(self, params, state, rng, batch, data_iterator, func_state):
-        """The burn-in before the first step, on ``data_iterator`` or else ``batch``
-        repeated; returns ``(rng, state, func_state)`` (``rng`` split off its key)."""
-        source = data_iterator if data_iterator is not None else _keys.repeat(batch)
-        rng, burnin_rng = _keys.split_key(rng, self.multi_device)
-        state, func_state = self.burnin(
-            self.curvature.num_burnin_steps, params, state, burnin_rng, source, func_state
-        )
-        return rng, state, func_state
 
     def burnin(
         self,
@@ -529,15 +473,4 @@ class Optimizer:
         """Updates the curvature estimate on ``num_steps`` batches without moving the
         parameters (done automatically before the first `step` when
         ``num_burnin_steps > 0``). Returns ``(state, func_state)``."""
-        if self._staged_burnin is None:
-            outs = lambda p, r: (self._state_shardings(p, r), r)  # noqa: E731
-            burnin = self._kfac_step.burnin_step
-            self._staged_burnin = self.placement.stage(burnin, self.debug, False, outs)
-        for i in range(num_steps):
-            batch = next(data_iterator)
-            step_rng = _keys.fold_in(rng, i, self.multi_device)
-            batch, params, state, step_rng, func_state = self.placement.put(
-                batch, params, state, step_rng, func_state
-            )
-            state, func_state = self._staged_burnin(params, state, step_rng, batch, func_state)
-        return state, func_state
+        return self._first.burnin(num_steps, params, state, rng, data_iterator, func_state)

@@ -8,14 +8,9 @@ the cotangent of every layer's outputs. `loss_tags_jvp` / `loss_tags_vjp`
 give the Jacobian products of the loss predictions with respect to the
 parameters (for Gauss-Newton-vector products).
 
-The tracer's wing (below it: blocks, losses, tags and the jaxpr helpers; above it:
-the estimator):
-
-* ``_layer_data``: the layer inputs and output cotangents a block is given;
-* ``_layer_info``: each tag's `kfacx.LayerInfo` (shapes, batch axes, views)
-  read from the jaxpr;
-* ``_tied_layers``: tags that share parameters made one layer (a layer applied
-  twice, an embedding table reused as the output projection).
+Its wing: ``_layer_data`` (the layer inputs and output cotangents a block is
+given), ``_layer_info`` (each tag's `kfacx.LayerInfo`), ``_tied_layers`` (tags
+sharing parameters made one layer).
 """
 
 from __future__ import annotations

@@ -20,15 +20,9 @@ as the extra argument ``curvature_stats``::
 curvature statistics over micro-batches and hands both to the postprocessor
 once the last micro-batch has arrived.
 
-The transforms' wing (below it: the estimator; above it: the Optimizer, which
-preconditions with `precondition`):
-
-* ``_transform_parts``: what the K-FAC transformations share (argument checks,
-  the fold of ``curvature_stats``, the guard against `optax.MultiSteps`);
-* ``_eigen_adam``: `scale_by_kfac_eigen_adam` (Adam in the Kronecker eigenbasis);
-* ``_partition``: `block_labels`, for `optax.partition` by curvature block;
-* ``_graft``: `graft` (one optimizer's direction with another's step size);
-* ``_aliases``: the ready-made chains `kfac_adamw` and `kfac_soap`.
+Its wing: ``_transform_parts`` (what the K-FAC transformations share),
+``_eigen_adam`` (`scale_by_kfac_eigen_adam`), ``_partition`` (`block_labels`),
+``_graft`` (`graft`), ``_aliases`` (the chains `kfac_adamw` and `kfac_soap`).
 """
 
 from __future__ import annotations
