@@ -11,10 +11,24 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from kfacx.blocks._diagonal_full import Diagonal, ScaleAndShiftDiagonal
 from kfacx.blocks._ekfac import ConvEKFAC, DenseEKFAC, EmbeddingEKFAC
+from kfacx.blocks._embedding import EmbeddingKroneckerFactored
 from kfacx.blocks._kronecker import ConvTwoKroneckerFactored, DenseTwoKroneckerFactored
 from kfacx.blocks._reduce import ConvTwoKroneckerFactoredReduce, DenseTwoKroneckerFactoredReduce
+from kfacx.blocks._tied import TIED_TAG, TiedKroneckerFactored
 from kfacx.blocks._tnt import ConvTNT, DenseTNT
+
+#: The block class used for each built-in layer tag (`kfacx.BlockDiagonalCurvature`'s
+#: default ``layer_tag_to_block_ctor``).
+DEFAULT_LAYER_TAG_TO_BLOCK_CTOR: Mapping[str, Callable[..., Any]] = {
+    "dense_tag": DenseTwoKroneckerFactored,
+    "conv_tag": ConvTwoKroneckerFactored,
+    "scale_and_shift_tag": ScaleAndShiftDiagonal,
+    "embedding_tag": EmbeddingKroneckerFactored,
+    "generic_tag": Diagonal,
+    TIED_TAG: TiedKroneckerFactored,
+}
 
 #: ``curvature_block`` name -> the block class of each tag it sets.
 CURVATURE_BLOCKS: Mapping[str, Mapping[str, Callable[..., Any]]] = {

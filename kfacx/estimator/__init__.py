@@ -17,6 +17,7 @@ from kfacx import blocks as blocks_lib
 from kfacx import graph_matcher, tracer
 from kfacx._helpers import _checks, _paths
 from kfacx._helpers._user_warnings import said_once
+from kfacx.blocks._families import DEFAULT_LAYER_TAG_TO_BLOCK_CTOR
 from kfacx.estimator import _identity_weights, _refresh, _statistics
 from kfacx.estimator._statistics import ESTIMATION_MODES, CurvatureStats, weighted_mean_stats
 from kfacx.losses import LossFunction
@@ -29,16 +30,6 @@ __all__ = [
     "EstimatorState",
     "weighted_mean_stats",
 ]
-
-#: The block class used for each built-in layer tag.
-DEFAULT_LAYER_TAG_TO_BLOCK_CTOR: Mapping[str, Callable[[blocks_lib.LayerInfo], Any]] = {
-    "dense_tag": blocks_lib.DenseTwoKroneckerFactored,
-    "conv_tag": blocks_lib.ConvTwoKroneckerFactored,
-    "scale_and_shift_tag": blocks_lib.ScaleAndShiftDiagonal,
-    "embedding_tag": blocks_lib.EmbeddingKroneckerFactored,
-    "generic_tag": blocks_lib.Diagonal,
-    blocks_lib.TIED_TAG: blocks_lib.TiedKroneckerFactored,
-}
 
 
 class EstimatorState(NamedTuple):

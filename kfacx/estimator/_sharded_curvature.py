@@ -9,17 +9,17 @@ device of the mesh's data axis (owners balanced by bytes,
    to their owner (``psum_scatter``: each device receives the sum of its own blocks'
    statistics and gradients, not all of them), the statistics then averaged as
    `kfacx.estimator.weighted_mean_stats` does (`OwnedGradient` serves the gradient's
-   dot products the step needs besides); under the sharded jit (GSPMD) the compiler
-   reduces the global statistics and gradient, and each owner reads its part;
+   dot products the step needs besides); under the sharded jit the compiler reduces
+   them globally, and each owner reads its part;
 2. a `jax.lax.switch` on the device index runs the owner's branch: it unpacks its
    blocks' states and statistics (static offsets), folds the statistics into the
    moving averages, refreshes the caches on schedule and preconditions its blocks'
    gradients with the ordinary block methods, and packs the results;
 3. one ``all_gather`` hands every device every block's preconditioned gradient.
 
-The results equal those of the replicated state to rounding
-(tests/estimator/test_sharded_state.py). Blocks whose statistics read their state (EKFAC) are
-not supported yet: their statistics would need every device to hold every basis.
+The results equal the replicated state's to rounding (tests/estimator/test_sharded_state.py).
+Blocks whose statistics read their state (EKFAC) are not supported yet: their
+statistics would need every device to hold every basis.
 """
 
 from __future__ import annotations
@@ -252,7 +252,7 @@ class ShardedCurvature:
         (sharded jit) the work runs in a `jax.shard_map` over it."""
         if power != 1:
             _identity_weights.check(identity_weight, "multiply_matpower", allow_zero=False)
-        ema_old, ema_new = _emas(curvature_ema, update_curvature)
+        ema_old, ema_new = _statistics.ema_weights(curvature_ema, update_curvature)
         weights = _identity_weights.per_block(identity_weight, len(self.estimator.blocks))
         weights = self.units.per_unit(weights)
         run = functools.partial(
@@ -445,17 +445,6 @@ def _dots(xs: Sequence[jax.Array], ys: Sequence[jax.Array]) -> jax.Array:
 def _bytes(states: Any) -> list[int]:
     """The bytes of each state (of shapes)."""
     return [sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(s)) for s in states]
-
-
-def _emas(curvature_ema: Any, update_curvature: Any) -> tuple[Any, Any]:
-    """The moving-average weights, as
-    `kfacx.transform._transform_parts.fold_statistics` has them."""
-    if update_curvature is True:
-        return curvature_ema, 1.0 - curvature_ema
-    return (
-        jnp.where(update_curvature, curvature_ema, 1.0),
-        jnp.where(update_curvature, 1.0 - curvature_ema, 0.0),
-    )
 
 
 def sharded_curvature(placement: Any, estimator: BlockDiagonalCurvature) -> Any:

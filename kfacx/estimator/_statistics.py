@@ -355,3 +355,15 @@ def gram_from_upper(upper: jax.Array, k: int) -> jax.Array:
             gram = gram.at[i, j].set(upper[index]).at[j, i].set(upper[index])
             index += 1
     return gram
+
+
+def ema_weights(curvature_ema: Any, update_curvature: Any = True) -> tuple[Any, Any]:
+    """``(ema_old, ema_new)``: the weights of the old moving average and of the new
+    statistics; ``(1, 0)`` where ``update_curvature`` (a bool or a traced bool) is
+    False, which leaves the averages as they are."""
+    if update_curvature is True:
+        return curvature_ema, 1.0 - curvature_ema
+    return (
+        jnp.where(update_curvature, curvature_ema, 1.0),
+        jnp.where(update_curvature, 1.0 - curvature_ema, 0.0),
+    )

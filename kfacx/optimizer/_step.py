@@ -5,18 +5,15 @@
 1. evaluates the loss, the gradient and the curvature statistics over the batch
    (`kfacx.optimizer._loss_passes.BatchPasses`), averaged over the devices;
 2. chooses the damping (`kfacx.optimizer._damping.choose_damping`);
-3. runs the preconditioning core shared with `kfacx.scale_by_kfac`
-   (`kfacx.transform.precondition`): the curvature update, the refresh of the
-   cached inverses and ``p = (C + (damping + l2_reg) I)^-1 g``;
-4. chooses the learning rate and the momentum, given or solved on the quadratic
-   model (`kfacx.optimizer._quadratic_model`);
+3. runs `kfacx.transform.precondition`, shared with `kfacx.scale_by_kfac`: the
+   curvature update, the refresh and ``p = (C + (damping + l2_reg) I)^-1 g``;
+4. chooses the learning rate and momentum (`kfacx.optimizer._quadratic_model`);
 5. adapts the damping (`kfacx.optimizer._damping.adapt_damping`, Levenberg-Marquardt);
 6. keeps the parameters and the state, bit for bit, if anything came out
    non-finite (`kfacx._helpers._tree.guard_non_finite`).
 
-The pieces emit the operations of the step in the order it has always had them
-(``benchmarks/step_fingerprint.py`` checks that the compiled step does not change).
-"""
+The pieces emit the step's operations in the order it has always had them
+(``benchmarks/step_fingerprint.py``)."""
 
 from __future__ import annotations
 
@@ -34,6 +31,7 @@ from kfacx.optimizer import _damping, _quadratic_model
 from kfacx.optimizer._configs import CurvatureConfig, DampingConfig, LearningRateConfig, Schedules
 from kfacx.optimizer._l2 import Regularization
 from kfacx.optimizer._loss_passes import BatchPasses
+from kfacx.parallel._distributed import placed_refresh
 from kfacx.parallel._placement import Placement
 from kfacx.transform import precondition
 
@@ -336,7 +334,8 @@ class KfacStep:
 
     def _precondition(self, state, grads, stats, identity_weight, update_curvature):
         """The curvature update and ``(C + identity_weight I)^-1 grads``: the core shared
-        with `kfacx.scale_by_kfac`, its refresh placed by `Placement.refresh`."""
+        with `kfacx.scale_by_kfac`, its refresh placed by
+        `kfacx.parallel._distributed.placed_refresh`."""
         cfg, est = self.curvature, self.passes.estimator
         options = dict(
             curvature_ema=cfg.curvature_ema,
@@ -349,7 +348,7 @@ class KfacStep:
         if self.sharded is not None:
             bound = self.placement.axis_name is not None
             return self.sharded.precondition(state.estimator_state, *args, **options, bound=bound)
-        refresh = lambda e, w: self.placement.refresh(est.update_cache, e, w)  # noqa: E731
+        refresh = lambda e, w: placed_refresh(self.placement, est.update_cache, e, w)  # noqa: E731
         return precondition(est, state.estimator_state, *args, **options, refresh=refresh)
 
     def _coefficients(

@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 
 def refresh_cost(block: Any) -> float:
@@ -97,3 +98,26 @@ def owned_refresh(
             )
         )
     return jax.lax.psum(tuple(results), axis_name)
+
+
+def placed_refresh(
+    placement: Any, update_cache: Callable[..., Any], est_state: Any, identity_weight: Any
+) -> Any:
+    """``update_cache(est_state, identity_weight, pmap_axis_name)`` inside a step staged
+    by ``placement`` (a `kfacx.parallel._placement.Placement`), distributed over its
+    devices when ``distributed_inverses`` and there are several: under pmap and
+    shard_map over the bound axis, under the sharded jit in a shard_map of its own."""
+    if not placement.distributed_inverses or placement.kind == "single":
+        return update_cache(est_state, identity_weight, None)
+    if placement.axis_name is not None:
+        return update_cache(est_state, identity_weight, placement.axis_name)
+    axis = placement.data_axis_name
+    mapped = jax.shard_map(
+        lambda e, w: update_cache(e, w, axis),
+        mesh=placement.mesh,
+        in_specs=(PartitionSpec(), PartitionSpec()),
+        out_specs=PartitionSpec(),
+        axis_names=frozenset({axis}),
+        check_vma=False,
+    )
+    return mapped(est_state, identity_weight)

@@ -10,7 +10,8 @@ leading arguments are named in `STEP_INPUTS`:
 * ``mesh``: ``jax.jit`` with the batch sharded over the data axis of a
   `jax.sharding.Mesh` and everything else replicated; the compiler partitions
   the single-device program (GSPMD), and the inverse refresh runs in a
-  `jax.shard_map` over the data axis so that it can be distributed;
+  `jax.shard_map` over the data axis so that it can be distributed
+  (`kfacx.parallel._distributed.placed_refresh`);
 * ``shard_map``: ``jax.jit`` of a `jax.shard_map` over the data axis; the step
   sees its device's shard of the batch and averages explicitly over the axis,
   exactly like the pmapped step.
@@ -425,29 +426,6 @@ class Placement:
         if self.compiler_options:
             kwargs["compiler_options"] = self.compiler_options
         return jax.jit(fn, **kwargs)
-
-    # ---------------------------------------------------------------- distributed refresh
-
-    def refresh(
-        self, update_cache: Callable[..., Any], est_state: Any, identity_weight: Any
-    ) -> Any:
-        """``update_cache(est_state, identity_weight, pmap_axis_name)``, distributed
-        over the devices when ``distributed_inverses`` and there are several."""
-        if not self.distributed_inverses or self.kind == "single":
-            return update_cache(est_state, identity_weight, None)
-        if self.axis_name is not None:
-            return update_cache(est_state, identity_weight, self.axis_name)
-        # Sharded jit: a shard_map over the data axis just for the refresh.
-        axis = self.data_axis_name
-        mapped = jax.shard_map(
-            lambda e, w: update_cache(e, w, axis),
-            mesh=self.mesh,
-            in_specs=(_P(), _P()),
-            out_specs=_P(),
-            axis_names=frozenset({axis}),
-            check_vma=False,
-        )
-        return mapped(est_state, identity_weight)
 
 
 def _auto_mesh(mesh: Mesh) -> Mesh:

@@ -17,6 +17,7 @@ import optax
 from kfacx._helpers import _checks
 from kfacx._helpers._checks import is_traced
 from kfacx.estimator import CurvatureStats, EstimatorState
+from kfacx.estimator._statistics import ema_weights
 
 
 def replace_params(func_args: Sequence[Any], params: Any, index: int) -> tuple:
@@ -37,11 +38,7 @@ def fold_statistics(
     """Folds ``curvature_stats`` into the blocks' moving averages with weight
     ``curvature_ema`` for the old average (``update_curvature`` False, a bool or a traced
     bool, leaves them as they are); the first step of `kfacx.precondition`."""
-    if update_curvature is True:
-        ema_old, ema_new = curvature_ema, 1.0 - curvature_ema
-    else:
-        ema_old = jnp.where(update_curvature, curvature_ema, 1.0)
-        ema_new = jnp.where(update_curvature, 1.0 - curvature_ema, 0.0)
+    ema_old, ema_new = ema_weights(curvature_ema, update_curvature)
     return estimator.update_curvature_estimate_from_stats(
         estimator_state, curvature_stats, ema_old, ema_new, stats_axis_name
     )
