@@ -14,6 +14,7 @@ public names) sits on top of them all.
 from __future__ import annotations
 
 import ast
+import importlib
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "kfacx"
@@ -187,3 +188,58 @@ def test_an_upward_import_is_found():
         ("kfacx.b.x", "kfacx"),
         ("kfacx.b.x", "kfacx.a.x"),
     ]
+
+
+#: The public modules' names in the last release (0.1.0.dev0, before the wings), read
+#: from its source: they keep their import paths.
+LAST_RELEASE = {
+    "kfacx.optimizer": ("Optimizer", "OptimizerState", "CurvatureConfig", "BatchConfig"),
+    "kfacx.transform": (
+        "ScaleByKfacState",
+        "estimator_state",
+        "precondition",
+        "scale_by_kfac",
+        "flag_non_finite_stats",
+        "AccumulateCurvatureStatsState",
+        "accumulate_curvature_stats",
+    ),
+    "kfacx.estimator": (
+        "DEFAULT_LAYER_TAG_TO_BLOCK_CTOR",
+        "ESTIMATION_MODES",
+        "BlockDiagonalCurvature",
+        "CurvatureStats",
+        "EstimatorState",
+        "weighted_mean_stats",
+    ),
+    "kfacx.tracer": (
+        "TracedFunction",
+        "shape_key",
+        "trace",
+        "trace_cached",
+        "layer_tags_vjp",
+        "value_and_grad_and_layer_tags_vjp",
+        "loss_tags_jvp",
+        "loss_tags_vjp",
+        "loss_tags_linearize",
+    ),
+    "kfacx.losses": (
+        "LossFunction",
+        "SoftmaxCrossEntropyLoss",
+        "SigmoidCrossEntropyLoss",
+        "NormalPredictiveLoss",
+        "CTCLoss",
+        "register_loss_class",
+        "loss_from_tag",
+    ),
+    "kfacx.flax": ("TrainState", "NNXLoss", "nnx_value_grads_and_curvature_stats"),
+}
+
+
+def test_the_last_releases_import_paths_still_work():
+    missing = [
+        f"{module}.{name}"
+        for module, names in LAST_RELEASE.items()
+        for name in names
+        if not hasattr(importlib.import_module(module), name)
+    ]
+    assert missing == []
