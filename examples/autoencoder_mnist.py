@@ -184,7 +184,9 @@ def main(argv=None) -> dict:
         parser.add_argument(f"--{name}-rates", type=float, nargs="+", default=rates)
     parser.add_argument("--plot", default="autoencoder.png", help="where to write the plot")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    common.add_compilation_cache_flag(parser)
     args = parser.parse_args(argv)
+    common.use_compilation_cache(args)
     show = not args.no_progress
 
     (images, _), _ = datasets.mnist()

@@ -178,7 +178,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--no-progress", dest="progress", action="store_false", help="no progress bars"
     )
+    common.add_compilation_cache_flag(parser)
     args = parser.parse_args(argv)
+    common.use_compilation_cache(args)
     if args.steps < 1 or args.batch_size < 1:
         parser.error("--steps and --batch-size must be positive")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import time
 from collections.abc import Iterable
@@ -158,3 +159,23 @@ def eval_params(name: str, state, params):
     if not isinstance(state, optax.contrib.ScheduleFreeState):  # chained after the L2 term
         state = state[-1]
     return optax.contrib.schedule_free_eval_params(state, params)
+
+
+def add_compilation_cache_flag(parser: argparse.ArgumentParser) -> None:
+    """``--no-compilation-cache``: by default the example turns on JAX's persistent
+    compilation cache (`kfacx.enable_compilation_cache`), so a second run loads its
+    compiled steps from disk."""
+    parser.add_argument(
+        "--no-compilation-cache",
+        action="store_true",
+        help="compile every program afresh (default: JAX's persistent compilation cache "
+        "in $KFACX_COMPILATION_CACHE_DIR or ~/.cache/kfacx/jax, via "
+        "kfacx.enable_compilation_cache())",
+    )
+
+
+def use_compilation_cache(args: argparse.Namespace) -> None:
+    if not args.no_compilation_cache:
+        import kfacx
+
+        kfacx.enable_compilation_cache()

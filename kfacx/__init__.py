@@ -6,7 +6,7 @@ register the loss on the model output, and precondition gradients with
 """
 
 from kfacx import blocks, graph_matcher, linalg, losses, parallel, tags, tracer
-from kfacx._helpers._compile import fast_compile_options
+from kfacx._helpers._compile import enable_compilation_cache, fast_compile_options
 from kfacx.blocks import (
     ConvEKFAC,
     ConvTNT,
@@ -145,6 +145,7 @@ __all__ = [
     "TwoKroneckerFactored",
     "auto_register_tags",
     "blocks",
+    "enable_compilation_cache",
     "fast_compile_options",
     "graph_matcher",
     "layer_tags_vjp",

@@ -54,6 +54,17 @@ if os.environ.get("KFACX_TEST_XLA_DEFAULTS") != "1" and _CACHE not in os.environ
     os.environ[_CACHE] = tempfile.mkdtemp(prefix="kfacx-test-jax-cache-")
     atexit.register(shutil.rmtree, os.environ[_CACHE], ignore_errors=True)
 
+# The examples turn on the persistent compilation cache (`kfacx.enable_compilation_cache`);
+# under the tests they use the run's own cache, or a throwaway one, never ~/.cache.
+if "KFACX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["KFACX_COMPILATION_CACHE_DIR"] = os.environ.get(_CACHE) or tempfile.mkdtemp(
+        prefix="kfacx-test-examples-cache-"
+    )
+    if _CACHE not in os.environ:
+        atexit.register(
+            shutil.rmtree, os.environ["KFACX_COMPILATION_CACHE_DIR"], ignore_errors=True
+        )
+
 import jax  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")

@@ -11,13 +11,23 @@ import subprocess
 import sys
 import textwrap
 
+import jax
+import pytest
+
+import kfacx
+from kfacx._helpers import _compile
+
 SCRIPT = textwrap.dedent(
     """
     import sys
     import jax, jax.numpy as jnp, optax
-    jax.config.update("jax_compilation_cache_dir", sys.argv[1])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     import kfacx
+    if sys.argv[2] == "config":
+        jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    else:  # the one-liner, after a first compilation (it must still take effect)
+        jax.jit(lambda x: x + 1)(1.0)
+        kfacx.enable_compilation_cache(sys.argv[1], min_compile_time_secs=0.0)
 
     def loss_fn(params, batch):
         x, labels = batch
@@ -39,18 +49,55 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _run(cache_dir, hash_seed):
+def _run(cache_dir, hash_seed, how):
     env = dict(os.environ, PYTHONHASHSEED=str(hash_seed), JAX_PLATFORMS="cpu")
     done = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(cache_dir)], env=env, capture_output=True, text=True
+        [sys.executable, "-c", SCRIPT, str(cache_dir), how],
+        env=env,
+        capture_output=True,
+        text=True,
     )
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-def test_second_process_compiles_nothing(tmp_path):
-    _run(tmp_path, 1)
-    first = sorted(os.listdir(tmp_path))
+@pytest.mark.parametrize("how", ["config", "enable_compilation_cache"])
+def test_second_process_compiles_nothing(tmp_path, how):
+    cache = tmp_path / "made" / "by" / "it" if how != "config" else tmp_path
+    _run(cache, 1, how)
+    first = sorted(os.listdir(cache))
     assert any(name.startswith("jit_") for name in first), first
-    _run(tmp_path, 2)  # another hash seed: set and dict orders of strings change
-    new = sorted(set(os.listdir(tmp_path)) - set(first))
+    _run(cache, 2, how)  # another hash seed: set and dict orders of strings change
+    new = sorted(set(os.listdir(cache)) - set(first))
     assert not new, f"compiled again in a second process (cache keys changed): {new}"
+
+
+def test_default_cache_dir_follows_the_environment_then_jax_then_xdg():
+    env = {"KFACX_COMPILATION_CACHE_DIR": "/a/b", "XDG_CACHE_HOME": "/x"}
+    assert _compile.default_cache_dir(env) == "/a/b"
+    before = jax.config.jax_compilation_cache_dir
+    try:
+        jax.config.update("jax_compilation_cache_dir", "/from/jax")
+        assert _compile.default_cache_dir({"XDG_CACHE_HOME": "/x"}) == "/from/jax"
+        jax.config.update("jax_compilation_cache_dir", None)
+        assert _compile.default_cache_dir({"XDG_CACHE_HOME": "/x"}) == "/x/kfacx/jax"
+        home = os.path.join(os.path.expanduser("~"), ".cache", "kfacx", "jax")
+        assert _compile.default_cache_dir({}) == home
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
+        (dict(directory=3), TypeError, "takes a path"),
+        (dict(directory=""), ValueError, "names no directory"),
+        (dict(directory="/tmp", min_compile_time_secs="1"), TypeError, "number of seconds"),
+        (dict(directory="/tmp", min_compile_time_secs=True), TypeError, "number of seconds"),
+        (dict(directory="/tmp", min_compile_time_secs=-1.0), ValueError, ">= 0"),
+    ],
+)
+def test_enable_compilation_cache_rejects_bad_arguments(kwargs, error, words):
+    before = jax.config.jax_compilation_cache_dir
+    with pytest.raises(error, match=words):
+        kfacx.enable_compilation_cache(**kwargs)
+    assert jax.config.jax_compilation_cache_dir == before  # nothing was changed
