@@ -9,7 +9,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 
 def owned_pmap(
@@ -60,8 +60,16 @@ def owned_pmap(
         if key not in compiled:
             # As pmap: the first `size` local devices.
             mesh = Mesh(jax.local_devices()[: key[2]], (axis_name,))
-            compiled[key] = _jit_of_shard_map(fn, mesh, axis_name, treedef, key[1], tuple(donated))
-        return compiled[key](*leaves)
+            step = _jit_of_shard_map(fn, mesh, axis_name, treedef, key[1], tuple(donated))
+            mapped_over, whole = PartitionSpec(axis_name), PartitionSpec()
+            placed = [NamedSharding(mesh, mapped_over if a == 0 else whole) for a in key[1]]
+            compiled[key] = (step, tuple(placed))
+        step, shardings = compiled[key]
+        # Every call sees its inputs as the outputs of the last one are placed: arrays
+        # placed otherwise (`replicate_all_local_devices`, `jax.pmap`'s outputs, host
+        # arrays) would have other types under jit, and the second step would be traced
+        # and compiled again.
+        return step(*jax.device_put(tuple(leaves), shardings, may_alias=True))
 
     return functools.wraps(fn)(mapped)
 
