@@ -2,7 +2,9 @@
 
 A new process would import JAX, Haiku, optax and matplotlib again (2 to 3 s of CPU
 for each script run); here the script runs as ``__main__`` with `runpy`, from its own
-folder on ``sys.path``, with ``sys.argv`` set and its output captured.
+folder on ``sys.path``, with ``sys.argv`` set and its output captured. The JAX
+settings a script may change for itself (the persistent compilation cache's, which
+the training examples turn on) are restored afterwards.
 """
 
 from __future__ import annotations
@@ -14,6 +16,15 @@ import os
 import pathlib
 import runpy
 import sys
+
+import jax
+
+#: JAX options a script may set for its own run (`kfacx.enable_compilation_cache`).
+_RESTORED = (
+    "jax_enable_compilation_cache",
+    "jax_compilation_cache_dir",
+    "jax_persistent_cache_min_compile_time_secs",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +43,7 @@ def run_script(path: pathlib.Path, *args: str, cwd: pathlib.Path | None = None) 
     sys.argv = [str(path), *args]
     sys.path.insert(0, folder)
     code = 0
+    settings = {name: getattr(jax.config, name) for name in _RESTORED}
     try:
         if cwd is not None:
             os.chdir(cwd)
@@ -41,6 +53,8 @@ def run_script(path: pathlib.Path, *args: str, cwd: pathlib.Path | None = None) 
             except SystemExit as exit_:
                 code = exit_.code if isinstance(exit_.code, int) else (exit_.code is not None)
     finally:
+        for name, value in settings.items():
+            jax.config.update(name, value)
         sys.argv = argv
         sys.path.remove(folder)
         os.chdir(old_cwd)
