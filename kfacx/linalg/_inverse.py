@@ -151,9 +151,20 @@ def _inverse_by_cholesky(a: jax.Array) -> jax.Array:
     """``a^-1`` of a symmetric positive definite ``a`` (a stack of them); NaN where ``a``
     is not numerically positive definite.
 
-    Up to `_BLOCK_INVERSE_BASE`: Cholesky (of the lower triangle of ``a``, which is
-    symmetric up to rounding) and two triangular solves. Larger: block elimination on
-    the lower triangle, ``a = [[a11, a21^T], [a21, a22]]``, ``t = a11^-1 a21^T``,
+    Up to `_BLOCK_INVERSE_BASE`, and on every backend but the CPU: Cholesky (of the
+    lower triangle of ``a``, which is symmetric up to rounding) and two triangular
+    solves (`_unblocked_inverse`). Larger, on the CPU: `_block_inverse`. The choice is
+    made when the program is lowered (`jax.lax.platform_dependent`): a CPU program holds
+    only the block recursion, an accelerator's only the batched factorisation.
+    """
+    if a.shape[-1] <= _BLOCK_INVERSE_BASE:
+        return _unblocked_inverse(a)
+    return jax.lax.platform_dependent(a, cpu=_block_inverse, default=_unblocked_inverse)
+
+
+def _block_inverse(a: jax.Array) -> jax.Array:
+    """``a^-1`` by block elimination on the lower triangle (the CPU's path above
+    `_BLOCK_INVERSE_BASE`), ``a = [[a11, a21^T], [a21, a22]]``, ``t = a11^-1 a21^T``,
     ``s = a22 - a21 t`` (the Schur complement, positive definite when ``a`` is), and
 
         ``a^-1 = [[a11^-1 + t s^-1 t^T, -t s^-1], [-(t s^-1)^T, s^-1]]``,
@@ -167,21 +178,28 @@ def _inverse_by_cholesky(a: jax.Array) -> jax.Array:
     Measured on the deep autoencoder's refresh (2-core CPU, float32, same accuracy
     against a float64 inverse): base 256 runs in 174 ms instead of 210 ms and adds
     0.7 s to the step's XLA compilation (each level of recursion adds kernels);
-    base 128 runs in 161 ms but adds 1.5 s.
+    base 128 runs in 161 ms but adds 1.5 s. On an accelerator each level would add
+    kernel launches for no gain, hence the CPU only.
     """
     n = a.shape[-1]
-    if n > _BLOCK_INVERSE_BASE:
-        h = n // 2
-        # The lower block, as the Cholesky path reads the lower triangle only.
-        a11, a21, a22 = a[..., :h, :h], a[..., h:, :h], a[..., h:, h:]
-        x11 = _inverse_by_cholesky(a11)
-        t = x11 @ jnp.swapaxes(a21, -1, -2)
-        y = _inverse_by_cholesky(a22 - a21 @ t)
-        b12 = -(t @ y)
-        b11 = x11 - b12 @ jnp.swapaxes(t, -1, -2)
-        top = jnp.concatenate([b11, b12], axis=-1)
-        bottom = jnp.concatenate([jnp.swapaxes(b12, -1, -2), y], axis=-1)
-        return jnp.concatenate([top, bottom], axis=-2)
+    if n <= _BLOCK_INVERSE_BASE:
+        return _unblocked_inverse(a)
+    h = n // 2
+    # The lower block, as the Cholesky path reads the lower triangle only.
+    a11, a21, a22 = a[..., :h, :h], a[..., h:, :h], a[..., h:, h:]
+    x11 = _block_inverse(a11)
+    t = x11 @ jnp.swapaxes(a21, -1, -2)
+    y = _block_inverse(a22 - a21 @ t)
+    b12 = -(t @ y)
+    b11 = x11 - b12 @ jnp.swapaxes(t, -1, -2)
+    top = jnp.concatenate([b11, b12], axis=-1)
+    bottom = jnp.concatenate([jnp.swapaxes(b12, -1, -2), y], axis=-1)
+    return jnp.concatenate([top, bottom], axis=-2)
+
+
+def _unblocked_inverse(a: jax.Array) -> jax.Array:
+    """``a^-1`` by one (batched) Cholesky of the lower triangle and two triangular
+    solves; NaN where the factorisation fails."""
     chol = jax.lax.linalg.cholesky(a, symmetrize_input=False)
     eye = jnp.broadcast_to(jnp.eye(a.shape[-1], dtype=a.dtype), a.shape)
     solve = jax.lax.linalg.triangular_solve

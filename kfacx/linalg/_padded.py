@@ -20,7 +20,12 @@ from kfacx.linalg._common import (
     symmetrize,
 )
 from kfacx.linalg._damping import _diagonal_sums_flat, floored_dampings
-from kfacx.linalg._inverse import _finite_inverse, _floored_power, _inverse_by_cholesky
+from kfacx.linalg._inverse import (
+    _block_inverse,
+    _finite_inverse,
+    _floored_power,
+    _unblocked_inverse,
+)
 
 # ----------------------------------------------------------------------------- batched inverses
 
@@ -149,11 +154,16 @@ def cholesky_inverse_padded(stack: PaddedStack) -> tuple[jax.Array, jax.Array]:
             f"cholesky_inverse_padded takes a PaddedStack (from pad_stack), got {type(stack)}."
         )
 
-    # The damping is added to the whole stack at once (one fused kernel); then one matrix
-    # at a time (a loop, compiled once): batched LAPACK calls on the CPU can deadlock
-    # when several run at once. Success is read from the diagonals of the inverses
-    # (`_finite_inverse`), after the loop.
-    inverses = jax.lax.map(_inverse_by_cholesky, _unpadded(*stack))
+    # The damping is added to the whole stack at once (one fused kernel). On the CPU the
+    # matrices are then inverted one at a time (a loop, compiled once): batched LAPACK
+    # calls can deadlock when several run at once. Elsewhere the stack is factorised in
+    # one batched call (a loop of kernel launches per matrix would cost more than the
+    # work). Success is read from the diagonals of the inverses (`_finite_inverse`).
+    inverses = jax.lax.platform_dependent(
+        _unpadded(*stack),
+        cpu=lambda damped: jax.lax.map(_block_inverse, damped),
+        default=_unblocked_inverse,
+    )
     return inverses, _finite_inverse(inverses).astype(inverses.dtype)
 
 

@@ -145,10 +145,14 @@ def test_psd_inverse_padded_equals_psd_inverse_of_each_matrix():
         assert o.shape == m.shape and o.dtype == m.dtype
         _close(o, want, rtol=1e-5)
     _close(out[2][0, 0], _matpower_ref(bad64, -1.0, 0.1), rtol=1e-5)
-    # One factorisation per group, in a loop: no batched LAPACK call.
-    jaxpr = str(jax.make_jaxpr(lambda *m: linalg.psd_inverse_padded(m, dampings, 5))(*matrices))
-    single = str(jax.make_jaxpr(linalg.psd_inverse)(matrices[1], 1e-3))
-    assert jaxpr.count("cholesky") == single.count("cholesky") and "scan" in jaxpr
+    # On the CPU, one factorisation per group, in a loop: no batched LAPACK call.
+    cpu = (
+        jax.jit(lambda *m: linalg.psd_inverse_padded(m, dampings, 5))
+        .trace(*matrices)
+        .lower(lowering_platforms=("cpu",))
+        .as_text()
+    )
+    assert cpu.count("custom_call @lapack_spotrf") == 1 and "stablehlo.while" in cpu
 
 
 def test_padded_stack_functions_reject_bad_shapes_and_counts():
@@ -207,3 +211,34 @@ def test_stack_padded_and_pi_damping_reject_bad_input():
     # Sums and padded stacks agree with the unpadded diagonals.
     stacks = [linalg.stack_padded([_f32(np.diag([1.0, -2.0]))], 4)]
     np.testing.assert_allclose(linalg.padded_diagonal_sums(stacks), [[-1.0], [3.0]])
+
+
+def test_accelerators_invert_a_bucket_in_one_batched_call_and_the_cpu_by_blocks():
+    """`cholesky_inverse_padded` is lowered per backend: on the CPU a loop over the
+    matrices, each by block recursion above `_BLOCK_INVERSE_BASE`; on an accelerator
+    (lowered for CUDA here, no GPU needed) one batched Cholesky of the stack and no
+    loop, whose kernel launches would cost more than the work. Both compute the same
+    inverses (float64, to 1e-10)."""
+    n = _inverse._BLOCK_INVERSE_BASE + 45  # one level of recursion, odd halves
+    stack = linalg.pad_stack([jnp.ones((3, n, n))], jnp.full((3,), 0.5), n)
+    lowered = {
+        platform: jax.jit(lambda s: linalg.cholesky_inverse_padded(s)[0])
+        .trace(stack)
+        .lower(lowering_platforms=(platform,))
+        .as_text()
+        for platform in ("cpu", "cuda")
+    }
+    assert lowered["cpu"].count("stablehlo.while") == 1
+    assert lowered["cpu"].count("custom_call @lapack_spotrf") == 2  # the two halves
+    assert "stablehlo.while" not in lowered["cuda"]
+    assert lowered["cuda"].count("custom_call @cusolver_potrf") == 1
+    rng = np.random.default_rng(3)
+    with jax.enable_x64(True):
+        a = np.stack([_psd(rng, n) + 0.1 * np.eye(n) for _ in range(3)])
+        blocks, plain = jax.jit(
+            lambda m: (_inverse._block_inverse(m), _inverse._unblocked_inverse(m))
+        )(a)
+        np.testing.assert_allclose(blocks, plain, rtol=1e-10, atol=1e-10 * np.abs(plain).max())
+        np.testing.assert_allclose(
+            plain, np.linalg.inv(a), rtol=1e-8, atol=1e-8 * np.abs(plain).max()
+        )
