@@ -68,8 +68,21 @@ def owned_pmap(
         # Every call sees its inputs as the outputs of the last one are placed: arrays
         # placed otherwise (`replicate_all_local_devices`, `jax.pmap`'s outputs, host
         # arrays) would have other types under jit, and the second step would be traced
-        # and compiled again.
-        return step(*jax.device_put(tuple(leaves), shardings, may_alias=True))
+        # and compiled again. Only those are moved: a `device_put` of every leaf costs
+        # about 16 us a leaf even when it moves nothing (8 ms for 500 leaves), the check
+        # 0.4 us.
+        moved = [
+            i
+            for i, (x, sharding) in enumerate(zip(leaves, shardings, strict=True))
+            if not (isinstance(x, jax.Array) and x.sharding == sharding)
+        ]
+        if moved:
+            placed = jax.device_put(
+                [leaves[i] for i in moved], [shardings[i] for i in moved], may_alias=True
+            )
+            for i, x in zip(moved, placed, strict=True):
+                leaves[i] = x
+        return step(*leaves)
 
     return functools.wraps(fn)(mapped)
 
