@@ -176,6 +176,7 @@ def main(argv=None) -> dict:
                 "--no-progress",
                 "--plot",
                 "benchmarks/autoencoder.png",
+                "--no-compilation-cache",  # the compile times above are cold ones
             ]
         )
         results["to_target"] = summary
