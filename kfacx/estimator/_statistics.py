@@ -179,10 +179,11 @@ def loss_cotangents(
     if mode in ("fisher_exact", "ggn_exact"):
         return _exact_cotangents(losses)
     n = num_samples
-    keys = jax.random.split(rng, len(losses))
+    # One loss, one sample: the key itself (a split is a threefry loop to compile).
+    keys = [rng] if len(losses) == 1 else jax.random.split(rng, len(losses))
 
     def draw(loss: LossFunction, key):
-        sample_keys = jax.random.split(key, n)
+        sample_keys = key[None] if n == 1 else jax.random.split(key, n)
         if mode == "fisher_gradients":
             cts = jax.vmap(loss.sampled_fisher_cotangent)(sample_keys)
         else:

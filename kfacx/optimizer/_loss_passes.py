@@ -154,6 +154,19 @@ class BatchPasses:
         (acc, state), _ = jax.lax.scan(step, (init, func_state), (chunks, indices))
         return acc, state
 
+    def chunk_keys(self, rng, index):
+        """``(model key, curvature key)`` of micro-batch ``index``: ``rng`` split in two,
+        after folding the index in when there are several micro-batches. Every pass over
+        the batch (gradient, loss, curvature products) gives the model the same key.
+
+        Each `jax.random` call is a threefry loop of its own on the CPU (about 30 kernels
+        to compile), so none is made that changes nothing.
+        """
+        if self.config.num_microbatches > 1:
+            rng = jax.random.fold_in(rng, index)
+        model_rng, curv_rng = jax.random.split(rng)
+        return model_rng, curv_rng
+
     def weight(self, chunk):
         """``(mask or None, number of real examples)`` of a (micro-)batch."""
         mask = self.mask(chunk)
@@ -172,8 +185,7 @@ class BatchPasses:
 
         def body(acc, chunk, state, index):
             loss_sum, grad_sum, stats_sum, total, stats_total, _ = acc
-            chunk_rng = jax.random.fold_in(rng, index)
-            model_rng, curv_rng = jax.random.split(chunk_rng)
+            model_rng, curv_rng = self.chunk_keys(rng, index)
             args = self.call.args(params, state, model_rng, chunk)
             mask, n = self.weight(chunk)
             if self.config.use_func_gradients:
@@ -275,7 +287,7 @@ class BatchPasses:
 
         def body(acc, chunk, state, index):
             loss_sum, total = acc
-            model_rng, _ = jax.random.split(jax.random.fold_in(rng, index))
+            model_rng, _ = self.chunk_keys(rng, index)
             args = self.call.args(params, state, model_rng, chunk)
             loss, new_state, _ = self.call.split_output(self.call.value(*args))
             _, n = self.weight(chunk)
@@ -298,7 +310,7 @@ class BatchPasses:
             gram_sum, total = acc
             if fraction < 1.0:
                 chunk = self.subset(chunk, fraction)
-            model_rng, _ = jax.random.split(jax.random.fold_in(rng, index))
+            model_rng, _ = self.chunk_keys(rng, index)
             args = self.call.args(params, state, model_rng, chunk)
             losses, jvp = est.linearized_losses(args)
             mask, n = self.weight(chunk)
