@@ -24,9 +24,12 @@ def _t(x: jax.Array) -> jax.Array:
 
 
 def identity_stack(size: int, dtype: Any, leading: tuple[int, ...] = ()) -> jax.Array:
-    """Identity matrices ``[*leading, size, size]`` (a constant: no kernel to compile)."""
+    """Identity matrices ``[*leading, size, size]`` (a constant: no kernel to compile).
+
+    The dtype is passed on: JAX 0.10's ``jnp.asarray`` of a NumPy array without one
+    compiles a small program per shape when called eagerly (``jit(stage)``)."""
     eye = np.broadcast_to(np.eye(size, dtype=jnp.dtype(dtype)), (*leading, size, size))
-    return jnp.asarray(eye)
+    return jnp.asarray(eye, dtype=eye.dtype)
 
 
 def rotate(

@@ -34,8 +34,10 @@ def fast_jit(fun, **kwargs):
 
 def _cast(x: Any, dtype: Any) -> jax.Array:
     """``x`` as a ``dtype`` device array, cast on the host (numpy rounds to nearest even,
-    like XLA): an eager cast would compile a conversion per shape and dtype."""
-    return jnp.asarray(np.asarray(np.asarray(x), dtype))
+    like XLA): an eager cast would compile a conversion per shape and dtype (and so
+    would ``jnp.asarray`` of the NumPy array without its dtype, in JAX 0.10)."""
+    host = np.asarray(np.asarray(x), dtype)
+    return jnp.asarray(host, dtype=host.dtype)
 
 
 def _host(x: Any) -> np.ndarray:
@@ -144,7 +146,7 @@ def conv_patches_reference(block: blocks.ConvTwoKroneckerFactored, x: jax.Array)
         extra = () if not block.has_bias else (jnp.zeros((count, out_features), jnp.float32),)
         return jax.vmap(lambda *p: block.params_to_matrix(p))(grads, *extra)
 
-    mats = np.asarray(to_matrices(jnp.asarray(cot)), np.float64)
+    mats = np.asarray(to_matrices(jnp.asarray(cot, dtype=cot.dtype)), np.float64)
     if block.has_bias:
         mats = mats[:, :, :-1]
     return mats[..., 0]  # Column 0: the first output feature of every group.
