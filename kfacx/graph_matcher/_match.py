@@ -32,7 +32,7 @@ from kfacx.graph_matcher import _elementwise, _views
 from kfacx.graph_matcher._claims import MANUAL, can_tie, check_unambiguous, claim_key
 from kfacx.graph_matcher._graph import SHAPE_ONLY, Graph, Match
 from kfacx.graph_matcher._pattern import OUTPUT_PERMUTATION, GraphPattern
-from kfacx.graph_matcher._verify import verified
+from kfacx.graph_matcher._verify import prefetch, verified
 
 _COMMUTATIVE = {"add", "mul", "add_any"}
 
@@ -402,6 +402,9 @@ def find_matches(
     notes = [] if notes is None else notes
     graph = Graph(jaxpr, origins, batch_sizes, constants)
     _views.mixed_concatenation_notes(graph, notes)
+    # The numerical checks the matching below may ask for, answered in one compiled
+    # function: those of every structural match with nothing claimed yet (a superset).
+    prefetch(graph, [m for p in patterns for m in _structural_matches(p, graph)])
     claimed: set[int] = set()
     matches: list[Match] = []
     for precedence in sorted({p.precedence for p in patterns}, reverse=True):
@@ -419,6 +422,15 @@ def find_matches(
                 )
                 _views.claim(claims, match.param_leaves, key)
     return matches
+
+
+def _structural_matches(pattern, graph: Graph) -> list[Match]:
+    """The structural matches of ``pattern`` at each of its candidate equations, nothing
+    claimed (those without a numerical check: none)."""
+    if pattern.tag_primitive.compute is None:
+        return []
+    found = (_structural_match(pattern, graph, e, set()) for e in graph.candidates(pattern))
+    return [m for m in found if m is not None]
 
 
 def _match_pattern(pattern, graph: Graph, claimed: set[int], claims: dict, notes) -> list[Match]:

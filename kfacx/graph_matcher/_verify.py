@@ -9,6 +9,7 @@ blocks are checked once.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -135,10 +136,60 @@ def verified(match: Match, graph: Graph) -> bool:
     if key is None:
         return _check_numerically(match, todo, consts)
     if key not in _VERIFIED:
-        if len(_VERIFIED) >= _VERIFIED_MAX:
-            _VERIFIED.clear()
-        _VERIFIED[key] = _check_numerically(match, todo, consts)
+        _remember(key, _check_numerically(match, todo, consts))
     return _VERIFIED[key]
+
+
+def prefetch(graph: Graph, matches: Sequence[Match]) -> None:
+    """Answers the checks of ``matches`` (structural matches of ``graph`` that `verified`
+    may be asked about) whose answers are not known yet, in one compiled function.
+
+    Each check is a small program to trace, lower and compile (about 30 ms on the CPU,
+    mostly fixed costs), so a model with a dozen distinct layers paid a dozen of them;
+    together they are one. The answers are the ones `verified` would give: each check
+    draws its own values as it would alone, and one that fails to trace fails alone.
+    Nothing is kept if the combined function fails as a whole: `verified` then checks
+    each match on its own, as before.
+    """
+    checks: dict[tuple, tuple[Match, list[Any], dict[Any, Any]]] = {}
+    for match in matches:
+        if match.pattern.tag_primitive.compute is None:
+            continue
+        todo = _subgraph_eqns(graph, match.eqns, match.param_vars, match.view_eqns)
+        key = _structure(match, todo)
+        if key is not None and key not in _VERIFIED and key not in checks:
+            checks[key] = (match, todo, _constants(graph, todo))
+    if len(checks) < 2:  # One check compiles no faster here than in `verified`.
+        return
+    items = list(checks.values())
+    samples = [_samples(match) for match, _, _ in items]
+    untraceable: set[int] = set()
+
+    def evaluate_all(samples):
+        outs = []
+        for i, ((match, todo, consts), (inputs, params)) in enumerate(
+            zip(items, samples, strict=True)
+        ):
+            try:
+                outs.append(_evaluator(match, todo, consts)(inputs, params))
+            except (TypeError, ValueError, KeyError):
+                untraceable.add(i)
+                outs.append(None)
+        return outs
+
+    try:
+        with jax.ensure_compile_time_eval():
+            outs = jax.jit(evaluate_all, compiler_options=_check_compile_options())(samples)
+    except Exception:  # noqa: BLE001 - `verified` checks them one by one instead.
+        return
+    for i, (key, (match, todo, _)) in enumerate(zip(checks, items, strict=True)):
+        _remember(key, i not in untraceable and _agree(match, todo, *outs[i]))
+
+
+def _remember(key: tuple, answer: bool) -> None:
+    if len(_VERIFIED) >= _VERIFIED_MAX:
+        _VERIFIED.clear()
+    _VERIFIED[key] = answer
 
 
 def _narrowest_float_itemsize(match: Match, todo) -> int:
@@ -155,8 +206,8 @@ def _narrowest_float_itemsize(match: Match, todo) -> int:
     return min(sizes, default=4)
 
 
-def _check_numerically(match: Match, todo, consts=None) -> bool:
-    compute = match.pattern.tag_primitive.compute
+def _samples(match: Match) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The check's random inputs and parameters (the same for every check of a key)."""
     rng = np.random.default_rng(0)
 
     def sample(var):
@@ -165,43 +216,61 @@ def _check_numerically(match: Match, todo, consts=None) -> bool:
             return rng.integers(0, 2, aval.shape).astype(aval.dtype)
         return (rng.standard_normal(aval.shape) * 0.5 + 0.25).astype(aval.dtype)
 
+    inputs = [sample(v) for v in match.input_vars]
+    return inputs, [sample(v) for v in match.param_vars]
+
+
+def _evaluator(match: Match, todo, consts) -> Callable[..., tuple[Any, Any]]:
+    """``(inputs, params) -> (want, got)``: the matched equations, and the tag's compute."""
+    compute = match.pattern.tag_primitive.compute
+
+    def evaluate(inputs, params):
+        want = _evaluate_subgraph(
+            todo,
+            match.input_vars,
+            match.param_vars,
+            inputs,
+            params,
+            match.output_var,
+            consts,
+        )
+        tag_inputs = match.pattern.tag_inputs(inputs, params, want)
+        views = _views.views_of(match.meta)
+        layer_params = tuple(params) if views is None else _views.effective(params, views)
+        (got,) = compute(tag_inputs, layer_params, **_views.without_views(match.meta))
+        if match.output_permutation is not None:
+            got = jax.numpy.transpose(got, match.output_permutation)
+        return want, got
+
+    return evaluate
+
+
+def _agree(match: Match, todo, want, got) -> bool:
+    """Whether the tag's output ``got`` equals the equations' ``want`` (to a tolerance of
+    the narrowest floating dtype the computation passes through)."""
+    if np.shape(got) != np.shape(want):
+        return False
+    scale = 1.0 + float(np.max(np.abs(np.asarray(want, np.float64)), initial=0.0))
+    tol = 1e-3 if _narrowest_float_itemsize(match, todo) >= 4 else 5e-2
+    return bool(
+        np.allclose(
+            np.asarray(got, np.float64),
+            np.asarray(want, np.float64),
+            atol=tol * scale,
+            rtol=tol,
+        )
+    )
+
+
+def _check_numerically(match: Match, todo, consts=None) -> bool:
     with jax.ensure_compile_time_eval():
-        inputs = [sample(v) for v in match.input_vars]
-        params = [sample(v) for v in match.param_vars]
-
-        def evaluate(inputs, params):
-            want = _evaluate_subgraph(
-                todo,
-                match.input_vars,
-                match.param_vars,
-                inputs,
-                params,
-                match.output_var,
-                consts,
-            )
-            tag_inputs = match.pattern.tag_inputs(inputs, params, want)
-            views = _views.views_of(match.meta)
-            layer_params = tuple(params) if views is None else _views.effective(params, views)
-            (got,) = compute(tag_inputs, layer_params, **_views.without_views(match.meta))
-            if match.output_permutation is not None:
-                got = jax.numpy.transpose(got, match.output_permutation)
-            return want, got
-
+        inputs, params = _samples(match)
         try:
             # One compiled function for both sides (evaluating op by op compiles each
             # operation on its own, several times slower).
-            want, got = jax.jit(evaluate, compiler_options=_check_compile_options())(inputs, params)
+            want, got = jax.jit(
+                _evaluator(match, todo, consts), compiler_options=_check_compile_options()
+            )(inputs, params)
         except (TypeError, ValueError, KeyError):
             return False
-        if np.shape(got) != np.shape(want):
-            return False
-        scale = 1.0 + float(np.max(np.abs(np.asarray(want, np.float64)), initial=0.0))
-        tol = 1e-3 if _narrowest_float_itemsize(match, todo) >= 4 else 5e-2
-        return bool(
-            np.allclose(
-                np.asarray(got, np.float64),
-                np.asarray(want, np.float64),
-                atol=tol * scale,
-                rtol=tol,
-            )
-        )
+    return _agree(match, todo, want, got)
