@@ -57,6 +57,21 @@ def cpu_accepts(options: tuple[tuple[str, Any], ...]) -> bool:
     return True
 
 
+#: XLA options for one-off programs (detection's checks and constants): compile fast,
+#: run slow (they run once).
+_ONE_OFF = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def one_off_compile_options() -> dict[str, Any]:
+    """XLA options for a small program that runs once: fastest compilation."""
+    # On the CPU, the classic fusion emitters halve such a program's compilation (~28 ->
+    # ~15 ms); jaxlib 0.12 has none (and rejects the option).
+    classic = (("xla_cpu_use_fusion_emitters", False),)
+    if jax.default_backend() == "cpu" and cpu_accepts(classic):
+        return {**dict(classic), **_ONE_OFF}
+    return dict(_ONE_OFF)
+
+
 def default_cache_dir(environ: Any = None) -> str:
     """The directory `enable_compilation_cache` uses when it is given none: the
     environment's ``KFACX_COMPILATION_CACHE_DIR``, else the directory JAX is already

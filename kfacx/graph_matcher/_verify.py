@@ -108,19 +108,6 @@ def _chains_from(graph: Graph, var) -> list[Any]:
     return out
 
 
-#: XLA options for the check's one-off functions: compile fast, run slow (they run once).
-_FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-
-
-def _check_compile_options() -> dict[str, Any]:
-    # On the CPU, the classic fusion emitters halve a check's compilation (~28 -> ~15 ms);
-    # jaxlib 0.12 has none (and rejects the option).
-    classic = (("xla_cpu_use_fusion_emitters", False),)
-    if jax.default_backend() == "cpu" and _compile.cpu_accepts(classic):
-        return {**dict(classic), **_FAST_COMPILE}
-    return dict(_FAST_COMPILE)
-
-
 #: `verified`'s answers by `_structure` key, shared by all detections of the process.
 _VERIFIED: dict[tuple, bool] = {}
 _VERIFIED_MAX = 4096
@@ -177,9 +164,10 @@ def prefetch(graph: Graph, matches: Sequence[Match]) -> None:
                 outs.append(None)
         return outs
 
+    options = _compile.one_off_compile_options()
     try:
         with jax.ensure_compile_time_eval():
-            outs = jax.jit(evaluate_all, compiler_options=_check_compile_options())(samples)
+            outs = jax.jit(evaluate_all, compiler_options=options)(samples)
     except Exception:  # noqa: BLE001 - `verified` checks them one by one instead.
         return
     for i, (key, (match, todo, _)) in enumerate(zip(checks, items, strict=True)):
@@ -269,7 +257,7 @@ def _check_numerically(match: Match, todo, consts=None) -> bool:
             # One compiled function for both sides (evaluating op by op compiles each
             # operation on its own, several times slower).
             want, got = jax.jit(
-                _evaluator(match, todo, consts), compiler_options=_check_compile_options()
+                _evaluator(match, todo, consts), compiler_options=_compile.one_off_compile_options()
             )(inputs, params)
         except (TypeError, ValueError, KeyError):
             return False

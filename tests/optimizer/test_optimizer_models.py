@@ -202,11 +202,10 @@ def test_compile_options_are_probed_before_use():
     gone): the options kfacx passes on its own are probed first, and an unknown one is
     left out, never a compilation error."""
     from kfacx._helpers import _compile
-    from kfacx.graph_matcher import _verify
 
     assert not _compile.cpu_accepts((("xla_no_such_option", 1),))
     assert _compile.cpu_accepts((("xla_backend_optimization_level", 0),))
-    options = _verify._check_compile_options()
+    options = _compile.one_off_compile_options()
     assert _compile.cpu_accepts(tuple(options.items())), options
     assert _compile.cpu_accepts(tuple(kfacx.fast_compile_options().items()))
 
