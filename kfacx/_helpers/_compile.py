@@ -57,7 +57,7 @@ def cpu_accepts(options: tuple[tuple[str, Any], ...]) -> bool:
     return True
 
 
-#: XLA options for one-off programs (detection's checks and constants): compile fast,
+#: XLA options for one-off programs (detection's numerical checks): compile fast,
 #: run slow (they run once).
 _ONE_OFF = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
