@@ -28,9 +28,26 @@ def zeros(shape: Sequence[int], dtype: Any) -> jax.Array:
     """``jnp.zeros(shape, dtype)``; called eagerly (outside `jax.jit`, `jax.vmap`, ...),
     it copies a NumPy array to the device instead of compiling a fill kernel for each
     new shape, which keeps an eager `init` of a model's state fast."""
-    if type(jex.core.find_top_trace(())).__name__ == "EvalTrace":
+    if _eager():
         return jax.device_put(np.zeros(tuple(shape), jnp.dtype(dtype)))
     return jnp.zeros(shape, dtype)
+
+
+def _eager() -> bool:
+    """Whether JAX operations run eagerly here (no `jax.jit`, `jax.vmap`, ... around)."""
+    return type(jex.core.find_top_trace(())).__name__ == "EvalTrace"
+
+
+def _average(weight: jax.Array, raw_value: jax.Array) -> jax.Array:
+    """`WeightedMovingAverage.value`."""
+    weight = weight.reshape(weight.shape + (1,) * (raw_value.ndim - weight.ndim))
+    safe = jnp.where(weight > 0, weight, 1.0)
+    return jnp.where(weight > 0, raw_value / safe, 0.0).astype(raw_value.dtype)
+
+
+#: `_average` as one program per shape, for eager calls (op by op, each of its five
+#: operations would compile a program of its own for every new shape).
+_average_program = jax.jit(_average)
 
 
 #: Cache fields of the approximate (factored-damping) powers a block can cache.
@@ -57,11 +74,9 @@ class WeightedMovingAverage(NamedTuple):
     def value(self) -> jax.Array:
         """The bias-corrected average (a stacked average, e.g. of a `StackedBlock`, has a
         weight per leading index)."""
-        weight = self.weight.reshape(
-            self.weight.shape + (1,) * (self.raw_value.ndim - self.weight.ndim)
-        )
-        safe = jnp.where(weight > 0, weight, 1.0)
-        return jnp.where(weight > 0, self.raw_value / safe, 0.0).astype(self.raw_value.dtype)
+        if _eager():
+            return _average_program(self.weight, self.raw_value)
+        return _average(self.weight, self.raw_value)
 
     def update(self, statistic: jax.Array, ema_old: Any, ema_new: Any) -> WeightedMovingAverage:
         """Folds ``statistic`` in; returns the new average."""

@@ -60,7 +60,7 @@ def _normal(rng: np.random.Generator, shape: Sequence[int]) -> np.ndarray:
 @functools.cache
 def kronecker_positions(block: blocks.TwoKroneckerFactored) -> np.ndarray:
     """``P[i] = vec(params_to_matrix(e_i))``: flattened parameters -> matrix layout."""
-    eye = jnp.eye(block.dim, dtype=jnp.float32)
+    eye = np.eye(block.dim, dtype=np.float32)  # jnp.eye would compile a program per size
     mats = fast_jit(
         jax.vmap(
             lambda e: block.params_to_matrix(blocks.unflatten_params(e, block.parameters_shapes))
