@@ -284,3 +284,9 @@ def is_number(value: Any) -> bool:
 def is_traced(value: Any) -> bool:
     """Whether ``value`` is traced (e.g. a hyperparameter of `optax.inject_hyperparams`)."""
     return isinstance(value, jax.core.Tracer)
+
+
+def is_eager() -> bool:
+    """Whether JAX operations run eagerly here (no `jax.jit`, `jax.vmap`, ... around):
+    each operation then compiles a program of its own for every new shape."""
+    return type(jex.core.find_top_trace(())).__name__ == "EvalTrace"

@@ -8,7 +8,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
-import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
 
@@ -28,14 +27,9 @@ def zeros(shape: Sequence[int], dtype: Any) -> jax.Array:
     """``jnp.zeros(shape, dtype)``; called eagerly (outside `jax.jit`, `jax.vmap`, ...),
     it copies a NumPy array to the device instead of compiling a fill kernel for each
     new shape, which keeps an eager `init` of a model's state fast."""
-    if _eager():
+    if _checks.is_eager():
         return jax.device_put(np.zeros(tuple(shape), jnp.dtype(dtype)))
     return jnp.zeros(shape, dtype)
-
-
-def _eager() -> bool:
-    """Whether JAX operations run eagerly here (no `jax.jit`, `jax.vmap`, ... around)."""
-    return type(jex.core.find_top_trace(())).__name__ == "EvalTrace"
 
 
 def _average(weight: jax.Array, raw_value: jax.Array) -> jax.Array:
@@ -74,7 +68,7 @@ class WeightedMovingAverage(NamedTuple):
     def value(self) -> jax.Array:
         """The bias-corrected average (a stacked average, e.g. of a `StackedBlock`, has a
         weight per leading index)."""
-        if _eager():
+        if _checks.is_eager():
             return _average_program(self.weight, self.raw_value)
         return _average(self.weight, self.raw_value)
 

@@ -9,6 +9,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from kfacx._helpers._checks import is_eager
 from kfacx.linalg._common import _retry_dtype, _working_dtype, add_to_diagonal, symmetrize
 from kfacx.linalg._damping import floored_damping
 
@@ -100,12 +101,22 @@ def psd_matpower(m: jax.Array, power: float, damping: Any) -> jax.Array:
 
 
 def _damped_power(m: jax.Array, damping: Any, power: float, cholesky_first: bool) -> jax.Array:
+    if is_eager():  # one program per shape, not one per operation (and per branch)
+        return _damped_power_program(m, damping, power, cholesky_first)
+    return _damped_power_ops(m, damping, power, cholesky_first)
+
+
+def _damped_power_ops(m: jax.Array, damping: Any, power: float, cholesky_first: bool) -> jax.Array:
     dtype = m.dtype
     m = m.astype(_working_dtype(dtype))
     d = floored_damping(m, damping, dtype)
     if cholesky_first:  # The factorisation reads one triangle; the eigh path symmetrises.
         return _floored_inverse(m, d).astype(dtype)
     return _floored_power(symmetrize(m), d, power).astype(dtype)
+
+
+#: `_damped_power_ops` compiled, for eager calls.
+_damped_power_program = jax.jit(_damped_power_ops, static_argnums=(2, 3))
 
 
 def _floored_power(m: jax.Array, d: jax.Array, power: float) -> jax.Array:
