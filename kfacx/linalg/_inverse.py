@@ -3,6 +3,7 @@ and a scaled identity as fallbacks (the rules: `kfacx.linalg`)."""
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -101,8 +102,10 @@ def psd_matpower(m: jax.Array, power: float, damping: Any) -> jax.Array:
 
 
 def _damped_power(m: jax.Array, damping: Any, power: float, cholesky_first: bool) -> jax.Array:
-    if is_eager():  # one program per shape, not one per operation (and per branch)
-        return _damped_power_program(m, damping, power, cholesky_first)
+    # Eagerly, one program per shape and power, not one per operation (and per branch);
+    # a power given as an array is not a static argument and stays op by op.
+    if is_eager() and isinstance(power, numbers.Real) and not isinstance(power, jax.Array):
+        return _damped_power_program(m, damping, float(power), cholesky_first)
     return _damped_power_ops(m, damping, power, cholesky_first)
 
 

@@ -135,6 +135,20 @@ def test_psd_matpower_single(power):
     _close(out, _matpower_ref(m, power, 0.2), rtol=1e-4)
 
 
+def test_eager_psd_powers_equal_the_jitted_ones_for_any_kind_of_power():
+    """Eagerly, `psd_matpower` and `psd_inverse` run as one compiled program per shape and
+    power; a power given as an array (not hashable) still works, and every form gives the
+    jitted function's result."""
+    rng = np.random.default_rng(9)
+    m = _f32(_psd(rng, 4, rank=2))
+    want = jax.jit(linalg.psd_matpower, static_argnums=1)(m, -0.5, 0.3)
+    for power in (-0.5, np.float32(-0.5), jnp.float32(-0.5), np.asarray(-0.5)):
+        np.testing.assert_allclose(linalg.psd_matpower(m, power, 0.3), want, rtol=1e-6)
+    np.testing.assert_allclose(
+        linalg.psd_inverse(m, 0.3), jax.jit(linalg.psd_inverse)(m, 0.3), rtol=1e-6
+    )
+
+
 def test_psd_matpower_matches_psd_inverse():
     rng = np.random.default_rng(8)
     m = _f32(_psd(rng, 4))
