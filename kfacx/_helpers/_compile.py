@@ -62,14 +62,43 @@ def cpu_accepts(options: tuple[tuple[str, Any], ...]) -> bool:
 _ONE_OFF = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
-def one_off_compile_options() -> dict[str, Any]:
-    """XLA options for a small program that runs once: fastest compilation."""
+def one_off_compile_options(platform: str | None = None) -> dict[str, Any]:
+    """XLA options for a small program that runs once on ``platform`` (default: JAX's
+    default backend): fastest compilation."""
     # On the CPU, the classic fusion emitters halve such a program's compilation (~28 ->
     # ~15 ms); jaxlib 0.12 has none (and rejects the option).
     classic = (("xla_cpu_use_fusion_emitters", False),)
-    if jax.default_backend() == "cpu" and cpu_accepts(classic):
+    platform = jax.default_backend() if platform is None else platform
+    if platform == "cpu" and cpu_accepts(classic):
         return {**dict(classic), **_ONE_OFF}
     return dict(_ONE_OFF)
+
+
+def host_device() -> Any:
+    """This process' first CPU device, or None where JAX has no CPU backend
+    (``JAX_PLATFORMS`` without ``cpu``). Local: in a multi-process run, ``jax.devices``
+    lists the other processes' devices too."""
+    try:
+        return jax.local_devices(backend="cpu")[0]
+    except RuntimeError:
+        return None
+
+
+def run_once(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` compiled and run once, on the host's CPU where JAX has one.
+
+    For small programs that answer a question about a model (detection's numerical
+    checks): on an accelerator each new program costs far more to compile (a GPU's
+    compiler autotunes its matrix products) and may compute its products at a lower
+    precision than the check's tolerance assumes. ``fn`` is traced in a context of its
+    own, so it runs now even when called while another function is being traced, and
+    its constant parts stay inside its one program.
+    """
+    device = host_device()
+    sharding = None if device is None else jax.sharding.SingleDeviceSharding(device)
+    platform = None if device is None else device.platform
+    jitted = jax.jit(fn, in_shardings=sharding, compiler_options=one_off_compile_options(platform))
+    return jitted.lower(*args).compile()(*args)
 
 
 def default_cache_dir(environ: Any = None) -> str:

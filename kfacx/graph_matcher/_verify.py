@@ -164,10 +164,8 @@ def prefetch(graph: Graph, matches: Sequence[Match]) -> None:
                 outs.append(None)
         return outs
 
-    options = _compile.one_off_compile_options()
     try:
-        with jax.ensure_compile_time_eval():
-            outs = jax.jit(evaluate_all, compiler_options=options)(samples)
+        outs = _compile.run_once(evaluate_all, samples)
     except Exception:  # noqa: BLE001 - `verified` checks them one by one instead.
         return
     for i, (key, (match, todo, _)) in enumerate(zip(checks, items, strict=True)):
@@ -251,14 +249,11 @@ def _agree(match: Match, todo, want, got) -> bool:
 
 
 def _check_numerically(match: Match, todo, consts=None) -> bool:
-    with jax.ensure_compile_time_eval():
-        inputs, params = _samples(match)
-        try:
-            # One compiled function for both sides (evaluating op by op compiles each
-            # operation on its own, several times slower).
-            want, got = jax.jit(
-                _evaluator(match, todo, consts), compiler_options=_compile.one_off_compile_options()
-            )(inputs, params)
-        except (TypeError, ValueError, KeyError):
-            return False
+    inputs, params = _samples(match)
+    try:
+        # One compiled function for both sides (evaluating op by op compiles each
+        # operation on its own, several times slower).
+        want, got = _compile.run_once(_evaluator(match, todo, consts), inputs, params)
+    except (TypeError, ValueError, KeyError):
+        return False
     return _agree(match, todo, want, got)

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import kfacx
+from kfacx._helpers import _compile
 from kfacx.graph_matcher import _match, _verify
 
 WIDTHS = (5, 7, 6, 4)
@@ -52,7 +53,7 @@ def fresh_answers(monkeypatch):
     monkeypatch.setattr(_verify, "_VERIFIED", {})
 
 
-def _count_check_programs(fn):
+def _count_check_programs(fn, every_program=False):
     compiled = collections.Counter()
 
     def listen(name, duration, **kwargs):
@@ -64,7 +65,7 @@ def _count_check_programs(fn):
         result = fn()
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
-    return result, {k: v for k, v in compiled.items() if "evaluate" in k}
+    return result, {k: v for k, v in compiled.items() if every_program or "evaluate" in k}
 
 
 def test_a_graph_s_checks_compile_as_one_program(fresh_answers):
@@ -74,6 +75,52 @@ def test_a_graph_s_checks_compile_as_one_program(fresh_answers):
     assert report.unmatched == ()
     assert programs == {"jit(evaluate_all)": 1}, programs
     assert len(_verify._VERIFIED) >= 3
+
+
+def _probe_loss(params, x):
+    """A dense layer, a parameter used through a broadcast only (the tag's input is
+    ``jnp.zeros_like`` of its output), and a dense layer on both."""
+    h = jnp.tanh(x @ params["w"])
+    h = jnp.concatenate([h, jnp.broadcast_to(params["probe"], (x.shape[0], 3))], axis=1)
+    y = h @ params["v"]
+    kfacx.register_squared_error_loss(y, jnp.zeros_like(y))
+    return 0.5 * jnp.mean(jnp.sum(y**2, axis=-1))
+
+
+def test_checks_made_while_tracing_compile_one_program_and_nothing_else(fresh_answers):
+    """Detection runs while the step is traced: its checks must still run now, as one
+    program, with their constant parts (``jnp.zeros_like`` in a tag's inputs) inside it
+    rather than compiled and run op by op."""
+    rng = np.random.default_rng(2)
+    params = {
+        "w": jnp.asarray(rng.standard_normal((5, 6)), jnp.float32),
+        "probe": jnp.ones((3,), jnp.float32),
+        "v": jnp.asarray(rng.standard_normal((9, 4)), jnp.float32),
+    }
+    x = jnp.asarray(rng.standard_normal((8, 5)), jnp.float32)
+
+    def outer(params, x):
+        tagged, report = kfacx.auto_register_tags(_probe_loss, (params, x))
+        assert report.unmatched == ()
+        return tagged(params, x)
+
+    _compile.one_off_compile_options("cpu")  # its one-time probe of the compiler
+    jax.clear_caches()  # what earlier tests compiled op by op would be reused unseen
+    _, programs = _count_check_programs(lambda: jax.jit(outer).trace(params, x), every_program=True)
+    assert programs == {"jit(evaluate_all)": 1}, programs
+
+
+def test_checks_run_on_this_process_cpu_whatever_the_default_device(monkeypatch, fresh_answers):
+    results = []
+    run_once = _compile.run_once
+    monkeypatch.setattr(
+        _compile, "run_once", lambda fn, *args: results.append(run_once(fn, *args)) or results[-1]
+    )
+    with jax.default_device(jax.devices()[-1]):
+        kfacx.auto_register_tags(_loss, _args())
+    assert results
+    devices = {d for out in results for leaf in jax.tree.leaves(out) for d in leaf.devices()}
+    assert devices == {jax.local_devices(backend="cpu")[0]}
 
 
 def _captured(monkeypatch):
