@@ -17,19 +17,28 @@ each model this compiles, in one process:
 computation and of every ``while`` / ``conditional`` / ``call`` body it reaches, other
 than parameters, constants, tuples, tuple elements and bitcasts; a fusion counts as
 one. Trace, lowering and XLA compilation are timed separately (first compilation of
-each program in this process; the persistent compilation cache is off).
+each program in this process, after a small warm-up program has paid the backend's
+one-time start; the persistent compilation cache is off).
+
+With ``--time-steps N`` each compiled program is also run: N steps fed back into
+themselves (the K-FAC step's refresh every ``inverse_update_period`` steps inside, so
+its time is amortised over whole periods), without a host synchronisation between
+steps, as a training loop runs; the median of three such rounds, per step.
 
 Models: the deep autoencoder of ``vs_kfac_jax.py`` (batch 1000), and the Transformer LM
 and the ResNet of ``modern.py`` at their default widths.
 
 Run:  python benchmarks/kernels.py [--models autoencoder lm resnet] [--json out.json]
+      python benchmarks/kernels.py --models autoencoder --pieces adam kfac --time-steps 50
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -90,8 +99,12 @@ def count_kernels(hlo_text: str) -> int:
     return count(entry, frozenset({entry}))
 
 
-def measure(fn: Callable, args: tuple, **jit_kwargs) -> dict:
-    """Trace, lower and compile ``jax.jit(fn, **jit_kwargs)`` on ``args``; its kernels."""
+def measure(fn: Callable, args: tuple, feedback: int = 0, **jit_kwargs) -> dict:
+    """Trace, lower and compile ``jax.jit(fn, **jit_kwargs)`` on ``args``; its kernels.
+
+    With ``TIME_STEPS`` set, also the seconds per call: the first ``feedback`` outputs
+    are fed back as the first arguments (params and state), ``TIME_STEPS`` calls a round.
+    """
     t0 = time.perf_counter()
     traced = jax.jit(fn, **jit_kwargs).trace(*args)
     t1 = time.perf_counter()
@@ -99,13 +112,53 @@ def measure(fn: Callable, args: tuple, **jit_kwargs) -> dict:
     t2 = time.perf_counter()
     compiled = lowered.compile()
     t3 = time.perf_counter()
-    return dict(
+    out = dict(
         trace=t1 - t0,
         lower=t2 - t1,
         compile=t3 - t2,
         first_compile=t3 - t0,
         kernels=count_kernels(compiled.as_text()),
     )
+    if TIME_STEPS:
+        out["step_s"] = time_calls(compiled, args, feedback, TIME_STEPS)
+    return out
+
+
+#: Calls per timed round (``--time-steps``); 0: compile only.
+TIME_STEPS = 0
+
+
+def time_calls(compiled, args: tuple, feedback: int, n: int, rounds: int = 3) -> float:
+    """Median over ``rounds`` of the mean seconds of ``n`` chained calls of ``compiled``.
+
+    The arguments are copied first, so that a donating program consumes only its copies.
+    """
+    args = jax.tree.map(lambda x: jnp.array(x, copy=True) if isinstance(x, jax.Array) else x, args)
+
+    def run(args, k):
+        for _ in range(k):
+            out = compiled(*args)
+            if feedback == 1:  # the output is the one argument fed back
+                args = (out, *args[1:])
+            elif feedback:
+                args = (*out[:feedback], *args[feedback:])
+        jax.block_until_ready(args)
+        return args
+
+    args = run(args, 2)  # warm-up
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        args = run(args, n)
+        times.append((time.perf_counter() - t0) / n)
+    return statistics.median(times)
+
+
+def warm_up_backend() -> None:
+    """Compile and run a small program: the backend's one-time start (CUDA context,
+    compiler initialisation) is not charged to the first measured program."""
+    x = jnp.ones((64, 64))
+    jax.block_until_ready(jax.jit(lambda a: jnp.tanh(a @ a).sum())(x))
 
 
 def readme_optimizer(loss_fn: Callable, has_state: bool = False) -> kfacx.Optimizer:
@@ -140,12 +193,15 @@ def _adam(loss_fn, has_state):
     return tx, step
 
 
-def model_pieces(loss_fn, params, batch, func_state=None) -> dict:
-    """The four programs of one model, measured (Adam first)."""
+PIECES = ("adam", "kfac", "kfac_donated", "kfac_no_refresh", "refresh")
+
+
+def model_pieces(loss_fn, params, batch, func_state=None, pieces=PIECES) -> dict:
+    """The programs ``pieces`` of one model, measured (Adam first)."""
     has_state = func_state is not None
     tx, adam_step = _adam(loss_fn, has_state)
     rest = (func_state, batch) if has_state else (batch,)
-    out = {"adam": measure(adam_step, (params, tx.init(params), *rest))}
+    out = {"adam": measure(adam_step, (params, tx.init(params), *rest), feedback=2)}
     opt = readme_optimizer(loss_fn, has_state)
     rng = jax.random.key(0)
     if has_state:
@@ -154,32 +210,39 @@ def model_pieces(loss_fn, params, batch, func_state=None) -> dict:
     else:
         state = jax.block_until_ready(opt.init(params, rng, batch))
         args = (params, state, rng, batch)
+    fed = 2  # params and state go back into the next step (func_state stays as it is)
 
     def make_step():  # a new function each time: jax.jit caches by function
         return lambda *a: opt.unstaged_step(*a)
 
-    out["kfac"] = measure(make_step(), args)
-    # As `Optimizer(donate_params_and_state=True)` stages it (kfac-jax's step donates).
-    out["kfac_donated"] = measure(make_step(), args, donate_argnums=(0, 1))
-    out["refresh"] = measure(opt.estimator.update_cache, (state.estimator_state, jnp.float32(1.0)))
-    opt.estimator.update_cache = lambda est_state, *_, **__: est_state
-    try:
-        out["kfac_no_refresh"] = measure(make_step(), args)
-    finally:
-        del opt.estimator.update_cache
+    if "kfac" in pieces:
+        out["kfac"] = measure(make_step(), args, feedback=fed)
+    if "kfac_donated" in pieces:
+        # As `Optimizer(donate_params_and_state=True)` stages it (kfac-jax's step donates).
+        out["kfac_donated"] = measure(make_step(), args, feedback=fed, donate_argnums=(0, 1))
+    if "refresh" in pieces:
+        out["refresh"] = measure(
+            opt.estimator.update_cache, (state.estimator_state, jnp.float32(1.0)), feedback=1
+        )
+    if "kfac_no_refresh" in pieces:
+        opt.estimator.update_cache = lambda est_state, *_, **__: est_state
+        try:
+            out["kfac_no_refresh"] = measure(make_step(), args, feedback=fed)
+        finally:
+            del opt.estimator.update_cache
     return out
 
 
-def autoencoder() -> dict:
+def autoencoder(pieces=PIECES) -> dict:
     import vs_kfac_jax as v
 
     loss_fn = v._make_loss(kfacx.register_sigmoid_cross_entropy_loss)
     batch = jnp.asarray(v._images())
     params = v.NET.init(jax.random.key(42), batch[:1])
-    return model_pieces(loss_fn, params, batch)
+    return model_pieces(loss_fn, params, batch, pieces=pieces)
 
 
-def _modern(kind: str) -> dict:
+def _modern(kind: str, pieces=PIECES) -> dict:
     import modern
 
     args = modern.make_parser().parse_args([])
@@ -187,13 +250,15 @@ def _modern(kind: str) -> dict:
         problem = modern.lm_problem(int(args.lm_width.split(",")[0]), args)
     else:
         problem = modern.resnet_problem(int(args.resnet_width.split(",")[0]), args)
-    return model_pieces(problem.loss_fn, problem.params, problem.batch(0), problem.func_state)
+    return model_pieces(
+        problem.loss_fn, problem.params, problem.batch(0), problem.func_state, pieces=pieces
+    )
 
 
 MODELS = {
     "autoencoder": autoencoder,
-    "lm": lambda: _modern("lm"),
-    "resnet": lambda: _modern("resnet"),
+    "lm": lambda pieces: _modern("lm", pieces),
+    "resnet": lambda pieces: _modern("resnet", pieces),
 }
 
 
@@ -202,32 +267,58 @@ def main(argv=None) -> dict:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    parser.add_argument(
+        "--pieces", nargs="+", choices=PIECES, default=list(PIECES), help="adam is always run"
+    )
+    parser.add_argument(
+        "--time-steps", type=int, default=0, help="also time each program over N chained calls"
+    )
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
+    global TIME_STEPS
+    TIME_STEPS = args.time_steps
     jax.config.update("jax_enable_compilation_cache", False)
     device = jax.devices()[0]
+    xla_flags = os.environ.get("XLA_FLAGS", "")
     print(f"backend: {device.platform} ({device.device_kind}), jax {jax.__version__}")
+    print(f"XLA_FLAGS: {xla_flags or '(none)'}")
+    warm_up_backend()
     results = {}
     for name in args.models:
-        pieces = MODELS[name]()
+        pieces = MODELS[name](tuple(args.pieces))
         results[name] = pieces
         adam = pieces["adam"]
         print(f"\n{name}")
         print(
             f"{'program':<18}{'kernels':>9}{'x Adam':>8}{'trace s':>9}{'lower s':>9}"
             f"{'XLA s':>8}{'first s':>9}{'x Adam':>8}"
+            + (f"{'step ms':>9}{'x Adam':>8}" if TIME_STEPS else "")
         )
-        for piece in ("adam", "kfac", "kfac_donated", "kfac_no_refresh", "refresh"):
+        for piece in PIECES:
+            if piece not in pieces:
+                continue
             r = pieces[piece]
             print(
                 f"{piece:<18}{r['kernels']:>9d}{r['kernels'] / adam['kernels']:>8.2f}"
                 f"{r['trace']:>9.2f}{r['lower']:>9.2f}{r['compile']:>8.2f}"
                 f"{r['first_compile']:>9.2f}{r['first_compile'] / adam['first_compile']:>8.2f}"
+                + (
+                    f"{1e3 * r['step_s']:>9.3f}{r['step_s'] / adam['step_s']:>8.2f}"
+                    if TIME_STEPS
+                    else ""
+                )
             )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
-                dict(backend=device.platform, device=device.device_kind, models=results),
+                dict(
+                    backend=device.platform,
+                    device=device.device_kind,
+                    jax=jax.__version__,
+                    xla_flags=xla_flags,
+                    time_steps=TIME_STEPS,
+                    models=results,
+                ),
                 f,
                 indent=1,
             )

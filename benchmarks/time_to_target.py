@@ -121,9 +121,13 @@ def run_first_order(kind, lr, params, images, batches) -> dict:
     )
 
 
-def run_kfac(kind, params, images, batches) -> dict:
-    """K-FAC with the settings ``KFAC[kind]``; the full-data loss after every step."""
+def run_kfac(kind, params, images, batches, donate: bool = False) -> dict:
+    """K-FAC with the settings ``KFAC[kind]``; the full-data loss after every step.
+
+    ``donate``: the step's params and state are donated (``donate_params_and_state``).
+    """
     options = dict(
+        donate_params_and_state=donate,
         l2_reg=ae.L2_REG,
         add_l2_reg=True,
         use_adaptive_learning_rate=True,
@@ -140,7 +144,8 @@ def run_kfac(kind, params, images, batches) -> dict:
     # Compile the burn-in and the step on throwaway calls.
     t0 = time.perf_counter()
     warm, _ = opt.burnin(1, params, state, rng, iter([first]))
-    jax.block_until_ready(opt.step(params, warm, rng, first))
+    # On copies: a donating step deletes its params and state.
+    jax.block_until_ready(opt.step(jax.tree.map(jnp.copy, params), warm, rng, first))
     compile_s = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -258,6 +263,11 @@ def main(argv=None) -> dict:
         default=None,
         help="run each first-order method at its best rate in this earlier --out file only",
     )
+    parser.add_argument(
+        "--donate",
+        action="store_true",
+        help="K-FAC steps donate their params and state (donate_params_and_state=True)",
+    )
     args = parser.parse_args(argv)
     unknown = set(args.methods) - set(GRIDS) - set(KFAC)
     if unknown:
@@ -283,7 +293,11 @@ def main(argv=None) -> dict:
     for kind in (m for m in args.methods if m in KFAC):
         for name in args.orders:
             batches = order(len(images), args.batch_size, args.steps, shuffled=name == "shuffled")
-            run = dict(run_kfac(kind, params, images, batches), order=name)
+            run = dict(
+                run_kfac(kind, params, images, batches, donate=args.donate),
+                order=name,
+                donated=args.donate,
+            )
             print(report_kfac(run, targets), flush=True)
             results["kfac"][f"{kind} {name}"] = run
     if args.out:
