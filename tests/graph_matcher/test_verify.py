@@ -81,7 +81,8 @@ def _probe_loss(params, x):
     """A dense layer, a parameter used through a broadcast only (the tag's input is
     ``jnp.zeros_like`` of its output), and a dense layer on both."""
     h = jnp.tanh(x @ params["w"])
-    h = jnp.concatenate([h, jnp.broadcast_to(params["probe"], (x.shape[0], 3))], axis=1)
+    probe = params["probe"]
+    h = jnp.concatenate([h, jnp.broadcast_to(probe, (x.shape[0], probe.size))], axis=1)
     y = h @ params["v"]
     kfacx.register_squared_error_loss(y, jnp.zeros_like(y))
     return 0.5 * jnp.mean(jnp.sum(y**2, axis=-1))
@@ -94,10 +95,11 @@ def test_checks_made_while_tracing_compile_one_program_and_nothing_else(fresh_an
     rng = np.random.default_rng(2)
     params = {
         "w": jnp.asarray(rng.standard_normal((5, 6)), jnp.float32),
-        "probe": jnp.ones((3,), jnp.float32),
-        "v": jnp.asarray(rng.standard_normal((9, 4)), jnp.float32),
+        "probe": jnp.ones((7,), jnp.float32),
+        "v": jnp.asarray(rng.standard_normal((13, 4)), jnp.float32),
     }
-    x = jnp.asarray(rng.standard_normal((8, 5)), jnp.float32)
+    # Odd shapes: an operation another test ran op by op would be compiled already.
+    x = jnp.asarray(rng.standard_normal((11, 5)), jnp.float32)
 
     def outer(params, x):
         tagged, report = kfacx.auto_register_tags(_probe_loss, (params, x))
@@ -105,7 +107,6 @@ def test_checks_made_while_tracing_compile_one_program_and_nothing_else(fresh_an
         return tagged(params, x)
 
     _compile.one_off_compile_options("cpu")  # its one-time probe of the compiler
-    jax.clear_caches()  # what earlier tests compiled op by op would be reused unseen
     _, programs = _count_check_programs(lambda: jax.jit(outer).trace(params, x), every_program=True)
     assert programs == {"jit(evaluate_all)": 1}, programs
 
