@@ -3,7 +3,8 @@
 # "On an NVIDIA H200"): the kernels, compile seconds and step times of the K-FAC step
 # against Adam's; seconds to a target loss against the first-order methods, with the
 # K-FAC step donated and not; XLA's autotuning off and command buffers for while and
-# conditional bodies; a cold and a warm start; the modern models' kernels. The H200
+# conditional bodies; where the refresh's time goes (refresh_variants.py); a cold and a
+# warm start; the modern models' kernels. The H200
 # run of 2026-11-28 took 529 s for the first, third and command-buffer pieces with
 # command buffers off besides; the modern models took 129 s more.
 #
@@ -51,6 +52,8 @@ piece() {  # name, its own limit (s), command...
 J=/tmp/kfacx_json
 piece kernels_autoencoder 150 $PY benchmarks/kernels.py --models autoencoder \
   --time-steps 50 --json $J/kernels_autoencoder.json
+TAIL=10 piece refresh_variants 90 $PY benchmarks/refresh_variants.py \
+  --json $J/refresh_variants.json
 TAIL=8 piece time_to_target_donated 120 $PY benchmarks/time_to_target.py --steps 300 \
   --methods adam muon kfac-readme --donate --out $J/time_to_target_donated.json
 TAIL=16 piece time_to_target 210 $PY benchmarks/time_to_target.py --steps 300 \
