@@ -201,15 +201,18 @@ def unused_params(loss_fn: Callable[..., Any], args: Sequence[Any]) -> list[str]
     """Paths of the parameters (``args[0]``) the value of ``loss_fn(*args)`` does not use."""
     path_leaves, tree = jax.tree_util.tree_flatten_with_path(args[0])
 
-    def of_leaves(*leaves):
-        return loss_fn(jax.tree_util.tree_unflatten(tree, leaves), *args[1:])
+    def of_leaves(leaves, rest):
+        return loss_fn(jax.tree_util.tree_unflatten(tree, leaves), *rest)
 
-    closed = _jaxpr.dce(jax.make_jaxpr(of_leaves)(*[x for _, x in path_leaves]))
+    # The other arguments are traced too (not closed over): they may be shapes only
+    # (`jax.ShapeDtypeStruct`); the parameters' leaves come first among the inputs.
+    leaves = [x for _, x in path_leaves]
+    closed = _jaxpr.dce(jax.make_jaxpr(of_leaves)(leaves, tuple(args[1:])))
     used = {v for e in closed.jaxpr.eqns for v in e.invars if isinstance(v, jex.core.Var)}
     used |= {v for v in closed.jaxpr.outvars if isinstance(v, jex.core.Var)}
     return [
         path_to_str(p)
-        for (p, _), v in zip(path_leaves, closed.jaxpr.invars, strict=True)
+        for (p, _), v in zip(path_leaves, closed.jaxpr.invars[: len(leaves)], strict=True)
         if v not in used
     ]
 

@@ -298,16 +298,20 @@ class Optimizer:
         return init(params, rng, batch, func_state)
 
     def _set_up(self, params, rng, batch, func_state):
-        """Traces the loss function on one step function's shapes (a device's)."""
+        """Traces the loss function on one step function's shapes (a device's).
+
+        Only shapes matter here: a device's slice and a micro-batch are taken by
+        `jax.eval_shape`, not computed (each eager slice would compile a program per
+        leaf shape)."""
         if self.multi_device:
-            params, rng, batch, func_state = jax.tree.map(
-                lambda x: x[0], (params, rng, batch, func_state)
+            params, rng, batch, func_state = jax.eval_shape(
+                lambda tree: jax.tree.map(lambda x: x[0], tree), (params, rng, batch, func_state)
             )
         else:
             self.placement.check_batch(batch)
             batch = self.placement.local_batch(batch)
         call = self._passes.call
-        args = call.args(params, func_state, rng, self._passes.microbatch(batch))
+        args = call.args(params, func_state, rng, jax.eval_shape(self._passes.microbatch, batch))
         _checks.warn_unused_params(lambda *a: call.split_output(call.value(*a))[0], args)
         self._kfac_step.regularization.leaf_mask(params)  # a pattern matching nothing raises
         self.estimator.set_up(args)
