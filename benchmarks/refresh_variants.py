@@ -27,15 +27,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import pathlib
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from kfacx.linalg import _inverse
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _timing import median_seconds  # noqa: E402
 
 #: The deep autoencoder's refresh buckets (`kfacx.linalg.size_buckets` of its factor
 #: sizes 1001, 1000, 785, 784, 501, 500, 251, 250, 31, 30): (matrices, size).
@@ -59,17 +61,6 @@ VARIANTS = {
 }
 
 
-def timed(fn, arg, repeats: int) -> float:
-    """Median seconds of ``fn(arg)``, each call waited for (a refresh is one call)."""
-    jax.block_until_ready(fn(arg))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(arg))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -89,7 +80,7 @@ def main(argv=None) -> dict:
         row = {}
         for name in args.variants:
             fn = jax.jit(VARIANTS[name])
-            seconds = timed(fn, stack, args.repeats)
+            seconds = median_seconds(fn, stack, args.repeats)
             error = None
             if name not in ("cholesky", "eigh"):
                 got = np.asarray(fn(stack), np.float64)
@@ -111,7 +102,7 @@ def main(argv=None) -> dict:
         for name in ("cholesky+solves", "looped", "lu_inv"):
             if name in args.variants:
                 fn = jax.jit(lambda *s, f=VARIANTS[name]: [f(x) for x in s])
-                whole[name] = 1e3 * timed(lambda s, fn=fn: fn(*s), stacks, args.repeats)
+                whole[name] = 1e3 * median_seconds(lambda s, fn=fn: fn(*s), stacks, args.repeats)
         results["whole_refresh_ms"] = whole
         print("all buckets in one program (ms):", {k: round(v, 3) for k, v in whole.items()})
     if args.json:

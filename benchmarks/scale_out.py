@@ -69,17 +69,10 @@ import kfacx  # noqa: E402
 from kfacx.estimator import _refresh, _sharded_curvature  # noqa: E402
 from kfacx.parallel import _distributed  # noqa: E402
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _timing import median_seconds  # noqa: E402
+
 DAMPING = 1e-2
-
-
-def _median_time(fn, arg, repeats: int) -> float:
-    jax.block_until_ready(fn(arg))  # compile
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(arg))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def refresh_times(opt, state, repeats: int) -> dict:
@@ -87,7 +80,7 @@ def refresh_times(opt, state, repeats: int) -> dict:
     est = opt.estimator
     est_state = state.estimator_state
     out = {
-        "1 device": _median_time(
+        "1 device": median_seconds(
             jax.jit(lambda s: est.update_cache(s, DAMPING)), est_state, repeats
         )
     }
@@ -103,7 +96,7 @@ def refresh_times(opt, state, repeats: int) -> dict:
             axis_name="i",
             devices=devices,
         )
-        out[f"{n} devices (pmap)"] = _median_time(pmapped, replicated, repeats)
+        out[f"{n} devices (pmap)"] = median_seconds(pmapped, replicated, repeats)
         mesh = jax.make_mesh(
             (n,), ("data",), devices=devices, axis_types=(jax.sharding.AxisType.Auto,)
         )
@@ -117,12 +110,12 @@ def refresh_times(opt, state, repeats: int) -> dict:
                 check_vma=False,
             )
         )
-        out[f"{n} devices (shard_map)"] = _median_time(mapped, on_mesh, repeats)
+        out[f"{n} devices (shard_map)"] = median_seconds(mapped, on_mesh, repeats)
         loads = _piece_loads(est.blocks, est._cache_spec, n)
         # Each device's share, timed alone on one device: the wall time of a refresh on
         # devices that really run in parallel is the largest share (plus the all-reduce).
         share_s = [
-            _median_time(jax.jit(functools.partial(_owned_part, est, n, d)), est_state, repeats)
+            median_seconds(jax.jit(functools.partial(_owned_part, est, n, d)), est_state, repeats)
             for d in range(n)
         ]
         psum = jax.pmap(
@@ -135,7 +128,7 @@ def refresh_times(opt, state, repeats: int) -> dict:
             cost_loads=loads,
             ideal_speedup=sum(loads) / max(loads),
             share_seconds=share_s,
-            all_reduce_seconds=_median_time(psum, replicated, repeats),
+            all_reduce_seconds=median_seconds(psum, replicated, repeats),
         )
     return dict(seconds=out, shares=shares)
 

@@ -7,12 +7,11 @@ gives on its own, and a check that cannot be traced must fail alone.
 
 from __future__ import annotations
 
-import collections
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _compiles import compiled_programs
 
 import kfacx
 from kfacx._helpers import _compile
@@ -54,17 +53,7 @@ def fresh_answers(monkeypatch):
 
 
 def _count_check_programs(fn, every_program=False):
-    compiled = collections.Counter()
-
-    def listen(name, duration, **kwargs):
-        if name.endswith("backend_compile_duration"):
-            compiled[str(kwargs.get("fun_name"))] += 1
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
-        result = fn()
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
+    result, compiled = compiled_programs(fn)
     return result, {k: v for k, v in compiled.items() if every_program or "evaluate" in k}
 
 

@@ -4,9 +4,8 @@ program of its own, compiled per leaf shape: seconds for a large model under pma
 
 from __future__ import annotations
 
-import collections
-
 import jax
+from _compiles import compiled_programs
 from _optimizer_cases import make_batch, make_params, mlp_loss
 
 import kfacx
@@ -21,17 +20,7 @@ def test_init_under_pmap_with_micro_batches_slices_no_leaf_eagerly():
     opt = kfacx.Optimizer(jax.value_and_grad(mlp_loss), multi_device=True, num_microbatches=2)
     rep = kfacx.parallel.replicate_all_local_devices
     args = (rep(params), rep(jax.random.key(0)), kfacx.parallel.shard_batch(batch))
-    compiled = collections.Counter()
-
-    def listen(name, duration, **kwargs):
-        if name.endswith("backend_compile_duration"):
-            compiled[str(kwargs.get("fun_name"))] += 1
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
-        state = opt.init(*args)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
+    state, compiled = compiled_programs(lambda: opt.init(*args))
     assert not EAGER_SLICES & set(compiled), dict(compiled)
     assert compiled["jit(evaluate_all)"] <= 1, dict(compiled)
     # And the state is the one the shapes call for.
