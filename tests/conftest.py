@@ -13,12 +13,18 @@ cache runs tests/optimizer/test_optimizer.py in a fifth of the time of a cold on
 * the xdist workers share one JAX compilation cache, made fresh for the run, so a
   program that several tests compile is compiled once; programs that compile in under
   50 ms are not written to it (writing every eager operation's program cost more than
-  the hits saved: about 4% of the suite's time).
+  the hits saved: about 4% of the suite's time);
+* Python's cyclic garbage collector runs rarely: a worker holds about a million objects
+  (JAX's caches of traced and compiled programs), and with Python's default thresholds
+  it scanned them all about twenty times per worker in the optimizer, blocks and
+  graph-matcher tests alone (10 s of CPU per worker); the objects alive after
+  collection are frozen out of its scans. The whole suite: 3-5% less time.
 
 ``KFACX_TEST_XLA_DEFAULTS=1`` runs the suite with XLA's default options and no cache.
 """
 
 import atexit
+import gc
 import importlib.metadata
 import os
 import shutil
@@ -87,6 +93,18 @@ _SLOW_FIRST = (
 
 def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.path.name not in _SLOW_FIRST)
+
+
+# A young collection after 100,000 net allocations (Python's default: 700), a full one
+# after 1,000 of those, if the long-lived objects have grown by a quarter since the last.
+# Garbage is still freed: the largest worker's memory stays the same (about 3.5 GB).
+gc.set_threshold(100_000, 50, 1_000)
+
+
+def pytest_collection_finish(session):
+    """The modules, tests and fixtures collected live until the end: out of the scans."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.hookimpl(tryfirst=True)
