@@ -111,29 +111,40 @@ def tree_scale(a: Any, x: Any) -> Any:
     return jax.tree.map(lambda u: (a * u).astype(u.dtype), x)
 
 
-def guard_non_finite(checked: Any, new: Any, old: Any) -> tuple[jax.Array, Any]:
+def guard_non_finite(
+    checked: Any, new: Any, old: Any, *, select_small: bool = False
+) -> tuple[jax.Array, Any]:
     """``(finite, new if finite else old)``, ``finite`` telling whether every
-    floating-point leaf of ``checked`` is finite (`kfacx._helpers._checks.all_finite`)."""
+    floating-point leaf of ``checked`` is finite (`kfacx._helpers._checks.all_finite`);
+    ``select_small`` as in `keep_unless`."""
     finite = _checks.all_finite(checked)
-    return finite, keep_unless(finite, new, old)
+    return finite, keep_unless(finite, new, old, select_small=select_small)
 
 
-def keep_unless(ok: jax.Array, new: Any, old: Any) -> Any:
+def keep_unless(ok: jax.Array, new: Any, old: Any, *, select_small: bool = False) -> Any:
     """``new`` if ``ok`` else ``old`` (bit for bit), for pytrees of one structure.
 
     The large leaves are chosen by ``jnp.where``, which XLA fuses into the kernels that
-    compute them (the parameter update, the moving averages); the small ones (scalars,
-    counters, biases) by one `jax.lax.cond`. One `jax.lax.cond` over everything makes
-    XLA copy every leaf into the conditional's result: on the deep autoencoder that is
-    about 70 MB and 24 ms (11 %) of every step. A select per small leaf would be a
-    kernel of its own to compile.
+    compute them (the parameter update, the moving averages). One `jax.lax.cond` over
+    everything would make XLA copy every leaf into the conditional's result: on the deep
+    autoencoder that is about 70 MB and 24 ms (11 %) of every step.
+
+    The small ones (scalars, counters, biases) are chosen by ``jnp.where`` too where
+    ``select_small`` (fused like the large ones: the one-device step of the deep
+    autoencoder has 42 fewer kernels on the CPU, 885 against 843), else by one
+    `jax.lax.cond`. The multi-device steps keep the conditional: without it, jaxlib
+    0.10's CPU runtime can run the all-reduce inside the curvature update's conditional
+    (``curvature_update_period > 1``) concurrently with another all-reduce of the step,
+    and the devices then pair different all-reduces and abort the process
+    (tests/parallel/test_distributed.py, the ``shard_map`` step on a mesh).
     """
     new_leaves, treedef = jax.tree.flatten(new)
     old_leaves = treedef.flatten_up_to(old)
-    small = [i for i, x in enumerate(new_leaves) if np.size(x) < SMALL_LEAF]
+    small = [] if select_small else [i for i, x in enumerate(new_leaves) if np.size(x) < SMALL_LEAF]
+    by_cond = set(small)
     out = [
-        leaf if np.size(leaf) < SMALL_LEAF else jnp.where(ok, leaf, before)
-        for leaf, before in zip(new_leaves, old_leaves, strict=True)
+        leaf if i in by_cond else jnp.where(ok, leaf, before)
+        for i, (leaf, before) in enumerate(zip(new_leaves, old_leaves, strict=True))
     ]
     if small:
         kept = jax.lax.cond(

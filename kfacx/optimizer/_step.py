@@ -163,7 +163,10 @@ class KfacStep:
         new_params, velocities = update.new_params, update.delta
         if rejected is not None:
             new_params, velocities = _tree.keep_unless(
-                ~rejected, (new_params, velocities), (params, state.velocities)
+                ~rejected,
+                (new_params, velocities),
+                (params, state.velocities),
+                select_small=self.placement.kind == "single",
             )
         new_state = state._replace(
             velocities=velocities,
@@ -180,6 +183,7 @@ class KfacStep:
             stats.blocks if self.sharded is None else stats.check,
             new=(new_params, new_state, new_func_state),
             old=(params, state, func_state),
+            select_small=self.placement.kind == "single",
         )
         stats_out = _step_stats(
             loss, update.learning_rate, update.momentum, lam, rho, quad_change, sq_norms, step,
@@ -446,7 +450,7 @@ class KfacStep:
         return new_loss - loss + reg
 
 
-def _guard(loss, sq_norms, lam, stats, new, old):
+def _guard(loss, sq_norms, lam, stats, new, old, select_small):
     """``(finite, new or old)``: skip the step (keep params and state bit for bit) on a
     non-finite loss, gradient, statistic or update, or a damping that is not positive
     (e.g. a schedule returning NaN).
@@ -457,7 +461,7 @@ def _guard(loss, sq_norms, lam, stats, new, old):
     entry (or an overflowing norm) makes them so. The factors are moving averages of
     finite statistics, and a non-finite cached inverse would show in the update, so the
     (large) curvature state is not scanned. `kfacx._helpers._tree.keep_unless` keeps or
-    replaces the whole state.
+    replaces the whole state (``select_small``: by selects alone, on one device).
     """
     _, new_state, new_func_state = new
     params, state, func_state = old
@@ -470,7 +474,9 @@ def _guard(loss, sq_norms, lam, stats, new, old):
         positive = _damping.positive_or_nan(lam)
     checked = (loss, grad_sq, update_sq, new_state.damping, positive, stats)
     old_func_state = None if new_func_state is None else func_state
-    return _tree.guard_non_finite((*checked, new_func_state), new, (params, state, old_func_state))
+    return _tree.guard_non_finite(
+        (*checked, new_func_state), new, (params, state, old_func_state), select_small=select_small
+    )
 
 
 def _step_stats(loss, lr, mom, lam, rho, quad_change, sq_norms, step, new_state, finite):
