@@ -112,16 +112,16 @@ def tree_scale(a: Any, x: Any) -> Any:
 
 
 def guard_non_finite(
-    checked: Any, new: Any, old: Any, *, select_small: bool = False
+    checked: Any, new: Any, old: Any, select_small: bool = False
 ) -> tuple[jax.Array, Any]:
     """``(finite, new if finite else old)``, ``finite`` telling whether every
     floating-point leaf of ``checked`` is finite (`kfacx._helpers._checks.all_finite`);
     ``select_small`` as in `keep_unless`."""
     finite = _checks.all_finite(checked)
-    return finite, keep_unless(finite, new, old, select_small=select_small)
+    return finite, keep_unless(finite, new, old, select_small)
 
 
-def keep_unless(ok: jax.Array, new: Any, old: Any, *, select_small: bool = False) -> Any:
+def keep_unless(ok: jax.Array, new: Any, old: Any, select_small: bool = False) -> Any:
     """``new`` if ``ok`` else ``old`` (bit for bit), for pytrees of one structure.
 
     The large leaves are chosen by ``jnp.where``, which XLA fuses into the kernels that

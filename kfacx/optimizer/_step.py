@@ -161,12 +161,10 @@ class KfacStep:
             loss_at_new_params, mask, force_adapt,
         )  # fmt: skip
         new_params, velocities = update.new_params, update.delta
+        one_device = self.placement.kind == "single"  # see _tree.keep_unless's select_small
         if rejected is not None:
             new_params, velocities = _tree.keep_unless(
-                ~rejected,
-                (new_params, velocities),
-                (params, state.velocities),
-                select_small=self.placement.kind == "single",
+                ~rejected, (new_params, velocities), (params, state.velocities), one_device
             )
         new_state = state._replace(
             velocities=velocities,
@@ -183,7 +181,7 @@ class KfacStep:
             stats.blocks if self.sharded is None else stats.check,
             new=(new_params, new_state, new_func_state),
             old=(params, state, func_state),
-            select_small=self.placement.kind == "single",
+            select_small=one_device,
         )
         stats_out = _step_stats(
             loss, update.learning_rate, update.momentum, lam, rho, quad_change, sq_norms, step,
@@ -474,9 +472,8 @@ def _guard(loss, sq_norms, lam, stats, new, old, select_small):
         positive = _damping.positive_or_nan(lam)
     checked = (loss, grad_sq, update_sq, new_state.damping, positive, stats)
     old_func_state = None if new_func_state is None else func_state
-    return _tree.guard_non_finite(
-        (*checked, new_func_state), new, (params, state, old_func_state), select_small=select_small
-    )
+    previous = (params, state, old_func_state)
+    return _tree.guard_non_finite((*checked, new_func_state), new, previous, select_small)
 
 
 def _step_stats(loss, lr, mom, lam, rho, quad_change, sq_norms, step, new_state, finite):

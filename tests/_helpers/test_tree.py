@@ -1,5 +1,7 @@
 """Tests of `kfacx._helpers._tree`: pytree algebra and the non-finite guard of the step."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -64,10 +66,12 @@ def test_tree_gram_in_float64_matches_tree_dot_to_rounding():
                 )
 
 
+@pytest.mark.parametrize("select_small", [False, True])
 @pytest.mark.parametrize("ok", [True, False])
-def test_keep_unless_returns_either_tree_bit_for_bit(ok):
-    """Large leaves go through a select, small ones through one lax.cond: both ways give
-    exactly one of the two trees, dtypes and None leaves included."""
+def test_keep_unless_returns_either_tree_bit_for_bit(ok, select_small):
+    """Large leaves go through a select, small ones through one lax.cond (or a select
+    each, ``select_small``): every way gives exactly one of the two trees, dtypes and
+    None leaves included."""
 
     def tree(seed):
         r = np.random.default_rng(seed)
@@ -80,7 +84,10 @@ def test_keep_unless_returns_either_tree_bit_for_bit(ok):
 
     new, old = tree(2), tree(3)
     new["w"] = new["w"].at[0, 0].set(jnp.nan)  # a select must not mix NaN into the old tree
-    out = jax.jit(_tree.keep_unless)(jnp.asarray(ok), new, old)
+    fn = functools.partial(_tree.keep_unless, select_small=select_small)
+    out = jax.jit(fn)(jnp.asarray(ok), new, old)
+    primitives = {e.primitive.name for e in jax.make_jaxpr(fn)(jnp.asarray(ok), new, old).eqns}
+    assert ("cond" in primitives) is not select_small, primitives
     want = new if ok else old
     assert out["none"] is None
     for key in ("w", "b", "count"):
