@@ -22,7 +22,8 @@ Options are grouped in frozen config dataclasses (`CurvatureConfig`,
 passed as a flat keyword argument with kfac-jax's name.
 
 Its wing: ``_configs`` (the config dataclasses, kfac-jax's flat options),
-``_step`` (one step as a pipeline), ``_loss_passes`` and ``_batch_layout`` (the
+``_step`` (one step as a pipeline) and ``_outcome`` (its non-finite guard and the
+stats it returns), ``_loss_passes`` and ``_batch_layout`` (the
 passes over a batch and its micro-batches), ``_quadratic_model`` (the learning rate
 and momentum it solves for), ``_damping`` and ``_calibration``, ``_first_step`` (the
 burn-in and the calibration before the first step), ``_l2``, ``_keys``.

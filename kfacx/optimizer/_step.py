@@ -10,7 +10,8 @@
 4. chooses the learning rate and momentum (`kfacx.optimizer._quadratic_model`);
 5. adapts the damping (`kfacx.optimizer._damping.adapt_damping`, Levenberg-Marquardt);
 6. keeps the parameters and the state, bit for bit, if anything came out
-   non-finite (`kfacx._helpers._tree.guard_non_finite`).
+   non-finite (`kfacx.optimizer._outcome.guard`), and returns the step's stats
+   (`kfacx.optimizer._outcome.step_stats`).
 
 The pieces emit the step's operations in the order it has always had them
 (``benchmarks/step_fingerprint.py``)."""
@@ -27,7 +28,7 @@ import jax.numpy as jnp
 
 from kfacx._helpers import _checks, _tree
 from kfacx.estimator import weighted_mean_stats
-from kfacx.optimizer import _damping, _quadratic_model
+from kfacx.optimizer import _damping, _outcome, _quadratic_model
 from kfacx.optimizer._configs import CurvatureConfig, DampingConfig, LearningRateConfig, Schedules
 from kfacx.optimizer._l2 import Regularization
 from kfacx.optimizer._loss_passes import BatchPasses
@@ -174,7 +175,7 @@ class KfacStep:
             step_counter=step + 1,
         )
         sq_norms = update.model.step_sq_norms(update.delta)
-        finite, (new_params, new_state, new_func_state) = _guard(
+        finite, (new_params, new_state, new_func_state) = _outcome.guard(
             loss,
             sq_norms,
             lam if precon_lam is lam else (lam, precon_lam),
@@ -183,7 +184,7 @@ class KfacStep:
             old=(params, state, func_state),
             select_small=one_device,
         )
-        stats_out = _step_stats(
+        stats_out = _outcome.step_stats(
             loss, update.learning_rate, update.momentum, lam, rho, quad_change, sq_norms, step,
             new_state, finite,
         )  # fmt: skip
@@ -446,58 +447,3 @@ class KfacStep:
             new_loss = self._pmean(new_loss)
         reg = self.regularization.penalty_change(new_params, params, mask)
         return new_loss - loss + reg
-
-
-def _guard(loss, sq_norms, lam, stats, new, old, select_small):
-    """``(finite, new or old)``: skip the step (keep params and state bit for bit) on a
-    non-finite loss, gradient, statistic or update, or a damping that is not positive
-    (e.g. a schedule returning NaN).
-
-    ``new`` and ``old`` are ``(params, state, func_state)``. The squared norms
-    ``sq_norms`` (of the gradient, the preconditioned gradient and the update), needed
-    for the returned stats anyway, stand in for a scan of every leaf: a non-finite
-    entry (or an overflowing norm) makes them so. The factors are moving averages of
-    finite statistics, and a non-finite cached inverse would show in the update, so the
-    (large) curvature state is not scanned. `kfacx._helpers._tree.keep_unless` keeps or
-    replaces the whole state (``select_small``: by selects alone, on one device).
-    """
-    _, new_state, new_func_state = new
-    params, state, func_state = old
-    grad_sq, _, update_sq = sq_norms
-    # A damping <= 0 (also of the preconditioner's, ``lam = (damping, precon_damping)``)
-    # counts as non-finite.
-    if isinstance(lam, tuple):
-        positive = _damping.positive_or_nan(lam[0]) + _damping.positive_or_nan(lam[1])
-    else:
-        positive = _damping.positive_or_nan(lam)
-    checked = (loss, grad_sq, update_sq, new_state.damping, positive, stats)
-    old_func_state = None if new_func_state is None else func_state
-    previous = (params, state, old_func_state)
-    return _tree.guard_non_finite((*checked, new_func_state), new, previous, select_small)
-
-
-def _step_stats(loss, lr, mom, lam, rho, quad_change, sq_norms, step, new_state, finite):
-    """The stats `kfacx.Optimizer.step` returns (without ``aux``, added by the step).
-
-    Each field is documented in `kfacx.Optimizer.step`'s "Returns" section and, with
-    its dtype and kfac-jax's counterpart, in docs/logging.md; tests/optimizer/test_step_stats.py
-    checks that both list exactly these keys. ``rho`` and ``quad_model_change`` arrive
-    as NaN when not computed (see `KfacStep._adapt_damping`); ``step`` is the counter
-    before the step and ``data_seen`` the (guarded) new state's, so neither advances on
-    a skipped step.
-    """
-    grad_sq, precon_sq, update_sq = sq_norms
-    return dict(
-        loss=loss,
-        learning_rate=jnp.asarray(lr, jnp.float32),
-        momentum=jnp.asarray(mom, jnp.float32),
-        damping=jnp.asarray(lam, jnp.float32),
-        rho=jnp.asarray(rho, jnp.float32),
-        quad_model_change=jnp.asarray(quad_change, jnp.float32),
-        grad_norm=jnp.sqrt(grad_sq),
-        precon_grad_norm=jnp.sqrt(precon_sq),
-        update_norm=jnp.sqrt(update_sq),
-        step=step,
-        data_seen=new_state.data_seen,
-        skipped=~finite,
-    )
