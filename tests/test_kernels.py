@@ -25,13 +25,14 @@ import kernels  # noqa: E402
 
 WIDTHS = (24, 20, 16, 8, 16, 20, 24, 28)
 BATCH = 16
-#: Kernels of the whole step (the refresh in its conditional, so both are counted): 592
+#: Kernels of the whole step (the refresh in its conditional, so both are counted): 567
 #: at the time of writing (jaxlib 0.10.2's CPU backend, the suite's XLA options; Adam's
 #: step 100), with 3% slack for other jaxlib releases. It was 750 before the step drew its
 #: keys with 2 threefry calls instead of 5 (each a loop of about 25 kernels on the CPU),
-#: and 678 before the non-finite guard chose the small leaves by selects instead of a
-#: conditional (one device only, `kfacx._helpers._tree.keep_unless`).
-MAX_STEP = 610
+#: 678 before the non-finite guard chose the small leaves by selects instead of a
+#: conditional (one device only, `kfacx._helpers._tree.keep_unless`), and 592 before a
+#: model that takes no key stopped costing a key split (`BatchPasses.chunk_keys`).
+MAX_STEP = 585
 
 
 def _params(seed=0):
