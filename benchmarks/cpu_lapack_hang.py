@@ -16,9 +16,21 @@ timeout. Measured on a 2-core machine, it is a race:
 - chained by adding ``0 * nan_to_num(previous inverse[0, 0, 0])`` to each input, a data
   dependency read inside a kernel, they finish in about 0.2 s (8 runs of 8).
 
+The cause (gdb on a hung run, jaxlib 0.10.2): a batched LAPACK call
+(``lapack_spotrf_ffi``) splits its matrices into chunks, schedules them on XLA's
+intra-op thread pool (as many threads as cores) and blocks in ``jax::ParallelBatchMap``
+until they are done. Once every thread of the pool is blocked so, nobody runs the
+chunks. A batch of one matrix is factorised inline, without the pool: that is why the
+loop is safe. A chain makes one program safe, but not programs running beside each
+other: with the refresh chained this way inside kfacx's one-device step (2026-11-29),
+four such steps dispatched together on four CPU devices hung on their first refresh
+(every time), and four Python threads stepping four optimizers on one CPU device hung
+in one run of two.
+
 This is why kfacx's CPU refresh inverts a bucket's matrices one at a time
-(`jax.lax.map` in `kfacx.linalg.cholesky_inverse_padded`), at the cost of about 300
-kernels (docs/benchmarks.md, "The floor of the full step").
+(`jax.lax.map` in `kfacx.linalg.cholesky_inverse_padded`), at the cost of about 150
+kernels (docs/benchmarks.md, "The floor of the full step" and "The chained batched
+refresh, measured and left").
 
 Run:  python benchmarks/cpu_lapack_hang.py [--timeout 40]
 """

@@ -1,8 +1,12 @@
 """Helpers of the `kfacx.linalg` tests (tests/linalg/test_linalg*.py): random PSD matrices,
-float64 numpy references, jitted entry points, a relative closeness check.
+float64 numpy references, jitted entry points, a relative closeness check, the batch sizes
+of a compiled program's LAPACK calls.
 """
 
 from __future__ import annotations
+
+import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -53,3 +57,14 @@ def _indefinite(seed=15, vals=(-1.0, 0.5, 2.0)):
     m = ((q * np.array(vals)) @ q.T).astype(np.float32)
     m = (m + m.T) / 2
     return m, np.asarray(m, np.float64)
+
+
+def lapack_batches(hlo: str) -> list[int]:
+    """How many matrices each LAPACK call of an optimized CPU module takes (read from the
+    first array of its result)."""
+    batches = []
+    for line in hlo.splitlines():
+        if 'custom_call_target="lapack_' in line:
+            dims = re.search(r"= \(?[a-z0-9]+\[([\d,]*)\]", line).group(1)
+            batches.append(math.prod(int(d) for d in dims.split(",")[:-2]))
+    return batches

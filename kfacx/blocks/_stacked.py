@@ -154,7 +154,7 @@ class StackedBlock(WrapperBlock):
         )
 
     def update_cache(self, state: BlockState, identity_weight: Any) -> BlockState:
-        """The inner block's cache refresh, slice by slice.
+        """The inner block's cache refresh, slice by slice (one slice after the other).
 
         The built-in Kronecker and full blocks refresh their caches from stacked
         factors as they are, without `jax.vmap`: the `lax.cond` of the
@@ -163,7 +163,10 @@ class StackedBlock(WrapperBlock):
         """
         if type(self.inner).update_cache in _STACK_AWARE_UPDATE_CACHE:
             return self.inner.update_cache(state, identity_weight)
-        return jax.vmap(lambda s: self.inner.update_cache(s, identity_weight))(state)
+        # A loop, not `jax.vmap`: vmapped, the slices' decompositions would be one
+        # batched LAPACK call each, which can hang on the CPU
+        # (`kfacx.linalg._common.one_at_a_time_on_cpu`).
+        return jax.lax.map(lambda s: self.inner.update_cache(s, identity_weight), state)
 
     def inverse_refresh(self, state: BlockState, identity_weight: Any) -> InverseRefresh | None:
         """The inner block's, when its cache refresh takes stacked factors as they are."""

@@ -3,7 +3,8 @@ the checks of stacks of matrices, and the dtypes computations run in."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -21,6 +22,30 @@ def add_to_diagonal(m: jax.Array, value: jax.Array) -> jax.Array:
     eye = jnp.broadcast_to(jnp.eye(m.shape[-1], dtype=m.dtype), m.shape)
     value = jnp.broadcast_to(jnp.asarray(value, m.dtype)[..., None, None], m.shape)
     return m + value * eye
+
+
+def one_at_a_time_on_cpu(decompose: Callable[[jax.Array], Any], m: jax.Array) -> Any:
+    """``decompose(m)`` of a stack ``[..., n, n]`` (a LAPACK call: a factorisation, an
+    eigendecomposition, triangular solves), on the CPU one matrix after the other.
+
+    jaxlib's batched LAPACK calls on the CPU split their matrices over XLA's intra-op
+    thread pool and block a thread of that pool until the pieces are done; when every
+    thread is blocked so (two such calls at once on two cores: e.g. the eigenbases of
+    two stacked layers' EKFAC blocks, refreshed side by side), the pieces never run and
+    the program hangs (`benchmarks/cpu_lapack_hang.py`). A single matrix is decomposed
+    inline, so a loop over the stack (`jax.lax.map`, compiled once) never blocks. Other
+    backends get the batched call. The choice is made when the program is lowered
+    (`jax.lax.platform_dependent`).
+    """
+    lead = m.shape[:-2]
+    if math.prod(lead) <= 1:
+        return decompose(m)
+
+    def looped(m):
+        out = jax.lax.map(decompose, m.reshape((-1, *m.shape[-2:])))
+        return jax.tree.map(lambda x: x.reshape(lead + x.shape[1:]), out)
+
+    return jax.lax.platform_dependent(m, cpu=looped, default=decompose)
 
 
 def _check_stacks(matrices: Sequence[jax.Array], where: str, size: int | None = None) -> None:

@@ -11,7 +11,13 @@ import jax
 import jax.numpy as jnp
 
 from kfacx._helpers._checks import is_eager
-from kfacx.linalg._common import _retry_dtype, _working_dtype, add_to_diagonal, symmetrize
+from kfacx.linalg._common import (
+    _retry_dtype,
+    _working_dtype,
+    add_to_diagonal,
+    one_at_a_time_on_cpu,
+    symmetrize,
+)
 from kfacx.linalg._damping import floored_damping
 
 
@@ -38,7 +44,7 @@ def safe_eigh(m: jax.Array) -> tuple[jax.Array, jax.Array]:
     """
 
     def decompose(x):
-        vals, vecs = jnp.linalg.eigh(symmetrize(x))
+        vals, vecs = one_at_a_time_on_cpu(jnp.linalg.eigh, symmetrize(x))
         return jnp.maximum(vals, 0), vecs
 
     def finite(out):
@@ -213,12 +219,17 @@ def _block_inverse(a: jax.Array) -> jax.Array:
 
 def _unblocked_inverse(a: jax.Array) -> jax.Array:
     """``a^-1`` by one (batched) Cholesky of the lower triangle and two triangular
-    solves; NaN where the factorisation fails."""
-    chol = jax.lax.linalg.cholesky(a, symmetrize_input=False)
-    eye = jnp.broadcast_to(jnp.eye(a.shape[-1], dtype=a.dtype), a.shape)
-    solve = jax.lax.linalg.triangular_solve
-    half = solve(chol, eye, left_side=True, lower=True)
-    return solve(chol, half, left_side=True, lower=True, transpose_a=True)
+    solves; NaN where the factorisation fails. A stack is inverted one matrix at a time
+    on the CPU (`one_at_a_time_on_cpu`)."""
+
+    def invert(a):
+        chol = jax.lax.linalg.cholesky(a, symmetrize_input=False)
+        eye = jnp.broadcast_to(jnp.eye(a.shape[-1], dtype=a.dtype), a.shape)
+        solve = jax.lax.linalg.triangular_solve
+        half = solve(chol, eye, left_side=True, lower=True)
+        return solve(chol, half, left_side=True, lower=True, transpose_a=True)
+
+    return one_at_a_time_on_cpu(invert, a)
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _linalg_cases import lapack_batches
 
 from kfacx import blocks
 from kfacx.blocks._stacked import DATA_LAYER_AXES
@@ -216,3 +217,33 @@ def test_names_and_vector_check():
     assert block.factor_shapes() == ((L, 1, 4, 4), (L, 1, 2, 2))
     with pytest.raises(ValueError, match="expected the parameter shapes"):
         block.multiply(r["state"], tuple(v[0] for v in r["vector"]))
+
+
+def test_stacked_ekfac_refresh_runs_slice_after_slice():
+    """The EKFAC inner block refreshes each slice's eigenbases in turn (a loop, not
+    `jax.vmap`): vmapped, two stacked layers' refreshes were two batched eigendecompositions
+    at once, which hung on a 2-core CPU (`kfacx.linalg._common.one_at_a_time_on_cpu`).
+    The result is each slice's own refresh."""
+
+    case = CASES[0]
+    block = blocks.StackedBlock(stacked_layer(case), blocks.DenseEKFAC)
+    inner = blocks.DenseEKFAC(case.layer(F64))
+    rng = np.random.default_rng(3)
+    state = block.init(jax.random.key(0))
+    factors = []
+    for f in state.factors:
+        a = rng.standard_normal((*f.raw_value.shape[:-1], f.raw_value.shape[-1] + 1))
+        factors.append(
+            f._replace(
+                raw_value=jnp.asarray(a @ np.swapaxes(a, -1, -2)), weight=jnp.ones_like(f.weight)
+            )
+        )
+    state = state._replace(factors=type(state.factors)(factors))
+    compiled = jax.jit(block.update_cache).lower(state, DAMPING).compile()
+    assert set(lapack_batches(compiled.as_text())) == {1}
+    refreshed = compiled(state, DAMPING)
+    for i in range(L):
+        one = jax.tree.map(lambda x, i=i: x[i], state)
+        want = jax.jit(inner.update_cache)(one, DAMPING)
+        got = jax.tree.map(lambda x, i=i: x[i], refreshed)
+        jax.tree.map(assert_close, got.cache, want.cache)

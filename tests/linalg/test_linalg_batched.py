@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _linalg_cases import _close, _f32, _indefinite, _matpower_ref, _psd
+from _linalg_cases import _close, _f32, _indefinite, _matpower_ref, _psd, lapack_batches
 
 from kfacx import linalg
 from kfacx.linalg import _inverse
@@ -242,3 +242,34 @@ def test_accelerators_invert_a_bucket_in_one_batched_call_and_the_cpu_by_blocks(
         np.testing.assert_allclose(
             plain, np.linalg.inv(a), rtol=1e-8, atol=1e-8 * np.abs(plain).max()
         )
+
+
+# ----------------------------------------------------------------------------- one at a time
+
+
+def test_cpu_decomposes_a_stack_one_matrix_at_a_time():
+    """On the CPU no LAPACK call takes more than one matrix: a batched call blocks a
+    thread of XLA's pool until its pieces are done, and two at once on two cores hang
+    (`kfacx.linalg._common.one_at_a_time_on_cpu`). The results are the batched calls'
+    (float64: the same LAPACK routine on each matrix)."""
+    rng = np.random.default_rng(7)
+    with jax.enable_x64(True):
+        stack = np.stack([_psd(rng, 70) for _ in range(4)]).reshape(2, 2, 70, 70)
+        programs = {
+            "psd_inverse": lambda m: linalg.psd_inverse(m, 0.1),
+            "psd_matpower": lambda m: linalg.psd_matpower(m, -0.5, 0.1),
+            "safe_eigh": linalg.safe_eigh,
+        }
+        for name, fn in programs.items():
+            compiled = jax.jit(fn).lower(stack).compile()
+            batches = lapack_batches(compiled.as_text())
+            assert batches and set(batches) == {1}, (name, batches)
+        vals, vecs = jax.jit(linalg.safe_eigh)(stack)
+        np.testing.assert_allclose(vals, np.linalg.eigvalsh(stack), rtol=1e-10, atol=1e-10)
+        rebuilt = (vecs * vals[..., None, :]) @ np.swapaxes(vecs, -1, -2)
+        np.testing.assert_allclose(rebuilt, stack, rtol=1e-10, atol=1e-10)
+        inverse = jax.jit(_inverse._unblocked_inverse)(stack)
+        np.testing.assert_allclose(inverse, np.linalg.inv(stack), rtol=1e-8, atol=1e-8)
+        # Lowered for an accelerator (no GPU needed), the stack is one batched call.
+        cuda = jax.jit(linalg.safe_eigh).trace(stack).lower(lowering_platforms=("cuda",))
+        assert "stablehlo.while" not in cuda.as_text()
