@@ -23,12 +23,13 @@ until they are done. Once every thread of the pool is blocked so, nobody runs th
 chunks. A batch of one matrix is factorised inline, without the pool: that is why the
 loop is safe. A chain makes one program safe, but not programs running beside each
 other: with the refresh chained this way inside kfacx's one-device step (2026-11-29),
-four such steps dispatched together on four CPU devices hung on their first refresh
-(every time), and four Python threads stepping four optimizers on one CPU device hung
-in one run of two.
+four such steps dispatched together on four CPU devices hung (both runs), and four
+Python threads stepping four optimizers on one CPU device hung in one run of two.
 
 This is why kfacx's CPU refresh inverts a bucket's matrices one at a time
-(`jax.lax.map` in `kfacx.linalg.cholesky_inverse_padded`), at the cost of about 150
+(`jax.lax.map` in `kfacx.linalg.cholesky_inverse_padded`), and why `kfacx.linalg`
+decomposes any stack one matrix at a time on the CPU
+(`kfacx.linalg._common.one_at_a_time_on_cpu`), at the cost of about 150
 kernels (docs/benchmarks.md, "The floor of the full step" and "The chained batched
 refresh, measured and left").
 
