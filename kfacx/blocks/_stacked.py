@@ -189,7 +189,11 @@ class StackedBlock(WrapperBlock):
                 s, v, identity_weight, power, exact_power, use_cached
             )
 
-        return tuple(jax.vmap(one)(state, vector))
+        if use_cached:
+            return tuple(jax.vmap(one)(state, vector))
+        # Without the cache each slice decomposes its factors: one after the other, as
+        # in `update_cache` (vmapped, they would be batched LAPACK calls).
+        return tuple(jax.lax.map(lambda sv: one(*sv), (state, vector)))
 
     # ---------------------------------------------------------------- eigenbasis
 

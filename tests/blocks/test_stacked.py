@@ -219,11 +219,12 @@ def test_names_and_vector_check():
         block.multiply(r["state"], tuple(v[0] for v in r["vector"]))
 
 
-def test_stacked_ekfac_refresh_runs_slice_after_slice():
+def test_stacked_refresh_and_uncached_products_run_slice_after_slice():
     """The EKFAC inner block refreshes each slice's eigenbases in turn (a loop, not
     `jax.vmap`): vmapped, two stacked layers' refreshes were two batched eigendecompositions
     at once, which hung on a 2-core CPU (`kfacx.linalg._common.one_at_a_time_on_cpu`).
-    The result is each slice's own refresh."""
+    The result is each slice's own refresh. Products without the cache, which decompose
+    the factors themselves, loop over the slices too."""
 
     case = CASES[0]
     block = blocks.StackedBlock(stacked_layer(case), blocks.DenseEKFAC)
@@ -241,6 +242,14 @@ def test_stacked_ekfac_refresh_runs_slice_after_slice():
     state = state._replace(factors=type(state.factors)(factors))
     compiled = jax.jit(block.update_cache).lower(state, DAMPING).compile()
     assert set(lapack_batches(compiled.as_text())) == {1}
+    # So do the products that decompose the factors themselves (no cache).
+    kronecker = blocks.StackedBlock(stacked_layer(case), case.block_cls)
+    vector = tuple(jnp.zeros(s, F64) for s in kronecker.layer.parameter_shapes)
+    product = jax.jit(
+        lambda s, v: kronecker.multiply_matpower(s, v, DAMPING, -1.0, True, use_cached=False)
+    )
+    text = product.lower(kronecker.init(jax.random.key(0)), vector).compile().as_text()
+    assert set(lapack_batches(text)) == {1}
     refreshed = compiled(state, DAMPING)
     for i in range(L):
         one = jax.tree.map(lambda x, i=i: x[i], state)
