@@ -38,7 +38,7 @@ curvature block (see ``docs/numerics.md``):
 - **One matrix at a time on the CPU.** A stack is factorised or decomposed in a loop
   over its matrices there (one batched call on accelerators): jaxlib's batched LAPACK
   calls block threads of XLA's pool, and two of them at once can hang the program
-  (`docs/numerics.md`).
+  (``docs/numerics.md``).
 
 Inputs narrower than float32 (bfloat16, float16) are computed in float32 and
 cast back.

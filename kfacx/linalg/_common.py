@@ -32,7 +32,7 @@ def one_at_a_time_on_cpu(decompose: Callable[[jax.Array], Any], m: jax.Array) ->
     thread pool and block a thread of that pool until the pieces are done; when every
     thread is blocked so (two such calls at once on two cores: e.g. the eigenbases of
     two stacked layers' EKFAC blocks, refreshed side by side), the pieces never run and
-    the program hangs (`benchmarks/cpu_lapack_hang.py`). A single matrix is decomposed
+    the program hangs (``benchmarks/cpu_lapack_hang.py``). A single matrix is decomposed
     inline, so a loop over the stack (`jax.lax.map`, compiled once) never blocks. Other
     backends get the batched call. The choice is made when the program is lowered
     (`jax.lax.platform_dependent`).
