@@ -72,11 +72,33 @@ def counts():
     step = compiled_kernels(lambda *a: opt.unstaged_step(*a), *args)
     tx, adam_step = kernels._adam(loss_fn, False)
     adam = compiled_kernels(adam_step, params, tx.init(params), images)
-    return dict(step=step, adam=adam)
+    # The same step given keys of JAX's rbg implementation (docs/quickstart.md).
+    rbg = jax.random.key(0, impl="rbg")
+    rbg_state = opt.init(params, rbg, images)
+    rbg_step = jax.jit(lambda *a: opt.unstaged_step(*a)).lower(params, rbg_state, rbg, images)
+    rbg_step = rbg_step.compile()
+    new_params, _, stats = rbg_step(params, rbg_state, jax.random.fold_in(rbg, 1), images)
+    return dict(
+        step=step,
+        adam=adam,
+        rbg_step=kernels.count_kernels(rbg_step.as_text()),
+        rbg_out=(new_params, stats),
+        params=params,
+    )
 
 
 def test_the_step_has_no_more_kernels_than_it_had(counts):
     assert counts["adam"] < counts["step"] <= MAX_STEP, counts
+
+
+def test_an_rbg_key_samples_with_fewer_kernels_and_the_step_runs(counts):
+    """The curvature's sampled targets are drawn with the key passed to the step; an rbg
+    key makes them one random-bit kernel instead of threefry's rounds."""
+    assert counts["adam"] < counts["rbg_step"] < counts["step"], counts
+    new_params, stats = counts["rbg_out"]
+    assert not bool(stats["skipped"]) and bool(jnp.isfinite(stats["loss"]))
+    moved = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), new_params, counts["params"])
+    assert max(jax.tree.leaves(moved)) > 0
 
 
 def test_count_kernels_follows_loops_and_branches():
