@@ -61,8 +61,8 @@ TAIL=16 piece time_to_target 210 $PY benchmarks/time_to_target.py --steps 300 \
 XLA_FLAGS=--xla_gpu_autotune_level=0 piece autotune_off 90 \
   $PY benchmarks/kernels.py --models autoencoder --pieces adam kfac kfac_no_refresh \
   --time-steps 50 --json $J/autotune_off.json
-XLA_FLAGS=--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL piece command_buffers_more 90 \
-  $PY benchmarks/kernels.py --models autoencoder --pieces adam kfac kfac_no_refresh \
+XLA_FLAGS=--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL piece command_buffers_more 110 \
+  $PY benchmarks/kernels.py --models autoencoder --pieces adam kfac kfac_donated kfac_no_refresh \
   --time-steps 50 --json $J/command_buffers_more.json
 JAX_PLATFORMS=${COLD_WARM_PLATFORM:-cuda} piece cold_warm 200 $PY benchmarks/cold_warm.py \
   --repeats 1 --json $J/cold_warm.json
