@@ -66,8 +66,11 @@ def counts():
     state = opt.init(params, jax.random.key(0), images)
     args = (params, state, jax.random.key(0), images)
 
+    def compiled(fn, *a):
+        return jax.jit(fn).lower(*a).compile()
+
     def compiled_kernels(fn, *a):
-        return kernels.count_kernels(jax.jit(fn).lower(*a).compile().as_text())
+        return kernels.count_kernels(compiled(fn, *a).as_text())
 
     step = compiled_kernels(lambda *a: opt.unstaged_step(*a), *args)
     tx, adam_step = kernels._adam(loss_fn, False)
@@ -75,8 +78,7 @@ def counts():
     # The same step given keys of JAX's rbg implementation (docs/quickstart.md).
     rbg = jax.random.key(0, impl="rbg")
     rbg_state = opt.init(params, rbg, images)
-    rbg_step = jax.jit(lambda *a: opt.unstaged_step(*a)).lower(params, rbg_state, rbg, images)
-    rbg_step = rbg_step.compile()
+    rbg_step = compiled(lambda *a: opt.unstaged_step(*a), params, rbg_state, rbg, images)
     new_params, _, stats = rbg_step(params, rbg_state, jax.random.fold_in(rbg, 1), images)
     return dict(
         step=step,
