@@ -153,3 +153,18 @@ def keep_unless(ok: jax.Array, new: Any, old: Any, select_small: bool = False) -
         for i, leaf in zip(small, kept, strict=True):
             out[i] = leaf
     return jax.tree.unflatten(treedef, out)
+
+
+def leaves_changed(fn: Any, tree: Any, *rest: Any) -> list[bool]:
+    """Per leaf of ``tree`` (arrays or `jax.ShapeDtypeStruct`), whether ``fn(tree,
+    *rest)``, which returns a pytree of ``tree``'s structure, may change it: ``False``
+    only where the output leaf is the input leaf itself, passed on untouched (read from
+    ``fn``'s jaxpr, without running it)."""
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(tree, *rest)
+    if jax.tree.structure(out_shape) != jax.tree.structure(tree):
+        raise ValueError(
+            f"{fn!r} returned a pytree of structure {jax.tree.structure(out_shape)}; expected "
+            f"that of its first argument, {jax.tree.structure(tree)}."
+        )
+    ins = closed.jaxpr.invars[: len(jax.tree.leaves(tree))]
+    return [out is not x for out, x in zip(closed.jaxpr.outvars, ins, strict=True)]

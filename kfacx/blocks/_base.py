@@ -203,7 +203,9 @@ class CurvatureBlock(abc.ABC):
 
     @abc.abstractmethod
     def update_cache(self, state: BlockState, identity_weight: Any) -> BlockState:
-        """Recomputes the cached quantities present in ``state.cache``."""
+        """Recomputes the cached quantities present in ``state.cache``; ``state.factors``
+        (the moving averages) are passed on unchanged (the sharded curvature state
+        writes only the cache at a refresh)."""
 
     @abc.abstractmethod
     def _multiply(self, state: BlockState, vector: Params, identity_weight: Any) -> Params:

@@ -118,11 +118,14 @@ class ShardedCurvature:
         costs = [_distributed.refresh_cost(b) for b in units.blocks]
         owners = assign_owners_by_bytes(_bytes(states), costs, self.num_devices)
         self.state_shapes = states
+        stats = jax.eval_shape(lambda: units.split(est.zero_curvature_stats().blocks))
         # Buffers of the moving averages (they change every step) apart from those of
         # the caches (at refreshes): a step rewrites the former and passes on the latter.
-        front = [len(jax.tree.leaves(s.factors)) for s in states]
+        covered = [c is not None for c in units.per_unit(est._coverage_shapes)]
+        front, self._refresh_writes_front = _sharded_units.state_groups(
+            units.blocks, states, stats, covered
+        )
         state_layout = PackLayout(states, owners, self.num_devices, front)
-        stats = jax.eval_shape(lambda: units.split(est.zero_curvature_stats().blocks))
         stats_layout = PackLayout(stats, owners, self.num_devices)
         self._built = (blocks, state_layout, stats_layout, units)
         self._precon_layouts = {}
@@ -367,7 +370,8 @@ class ShardedCurvature:
                 before = tuple(states[i] for i in mine)
                 scaled = _identity_weights.scaled(blocks, before, w, norm)
                 new = _refresh.refresh(blocks, before, scaled, None)
-                return layout.pack_owner(d, dict(zip(mine, new, strict=True)), rows, group=1)
+                group = None if self._refresh_writes_front else 1
+                return layout.pack_owner(d, dict(zip(mine, new, strict=True)), rows, group=group)
 
             if mine:
                 rows = refresh_on_schedule(count, period, refresh, rows, own_weights)

@@ -23,7 +23,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from kfacx.blocks import CurvatureBlock, StackedBlock
+from kfacx._helpers import _tree
+from kfacx.blocks import BlockState, CurvatureBlock, StackedBlock
+from kfacx.estimator import _refresh, _statistics
 
 
 class Unit(NamedTuple):
@@ -117,3 +119,42 @@ class Units:
     def per_unit(self, per_block: Sequence[Any]) -> tuple[Any, ...]:
         """Per unit, its block's entry of ``per_block`` (e.g. identity weights)."""
         return tuple(per_block[u.block] for u in self.units)
+
+
+def state_groups(
+    blocks: Sequence[CurvatureBlock],
+    states: Sequence[BlockState],
+    stats: Sequence[Any],
+    covered: Sequence[bool],
+) -> tuple[list[list[int]], bool]:
+    """Per unit, the group (`kfacx.parallel._sharded_state.PackLayout`'s ``front``) of
+    each leaf of its state: 0 for the moving averages and for every cache leaf that the
+    statistics' update writes (`kfacx.blocks.MappedBlock` keeps its map's derivative
+    there), 1 for the rest of the cache, which only refreshes write. And whether a
+    refresh writes a cache leaf of group 0 (then it writes both groups; a refresh never
+    changes the moving averages, `kfacx.blocks.CurvatureBlock.update_cache`).
+
+    Read from each unit's update traced on ``states`` and ``stats`` (shapes), and its
+    refresh where the update writes its cache: a leaf passed on untouched is not written,
+    so a user's block is laid out right too.
+    """
+    scalar = jax.ShapeDtypeStruct((), jnp.float32)
+    groups, refresh_writes_front = [], False
+    for block, state, stat, cov in zip(blocks, states, stats, covered, strict=True):
+        num_factors = len(jax.tree.leaves(state.factors))
+
+        def fold(state, stat, ema_old, ema_new, block=block, cov=cov):
+            return _statistics.update_block(block, state, stat, ema_old, ema_new, cov)
+
+        def refresh(state, weight, block=block):
+            return _refresh.refresh([block], [state], weight)[0]
+
+        folded = _tree.leaves_changed(fold, state, stat, scalar, scalar)
+        unit = [int(j >= num_factors and not w) for j, w in enumerate(folded)]
+        if 0 in unit[num_factors:]:  # Tracing a refresh costs more than a fold: only here.
+            refreshed = _tree.leaves_changed(refresh, state, scalar)[num_factors:]
+            refresh_writes_front |= any(
+                w and g == 0 for w, g in zip(refreshed, unit[num_factors:], strict=True)
+            )
+        groups.append(unit)
+    return groups, refresh_writes_front

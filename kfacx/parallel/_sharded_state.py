@@ -97,6 +97,19 @@ def assign_owners_by_bytes(
     return tuple(owners)
 
 
+def _leaf_groups(front: Any, num_leaves: int, item: int) -> list[int]:
+    """The group of each of an item's leaves (`PackLayout`'s ``front``)."""
+    if isinstance(front, (int, np.integer)):
+        return [int(j >= front) for j in range(num_leaves)]
+    groups = [int(g) for g in front]
+    if len(groups) != num_leaves or not set(groups) <= {0, 1}:
+        raise ValueError(
+            f"front[{item}] = {front!r}: expected a count of leading leaves or a group "
+            f"(0 or 1) for each of the item's {num_leaves} leaves."
+        )
+    return groups
+
+
 class _Entry(NamedTuple):
     item: int  # which pytree
     leaf: int  # which leaf of it
@@ -113,10 +126,10 @@ class PackLayout:
       owners: the owner device of each item.
       num_devices: the number of devices (rows).
       front: per item, how many of its leading leaves are in *group 0* (the others
-        are in group 1); each group has buffers of its own, so that `pack_owner` can
-        rewrite one group and pass the other's rows on (e.g. the moving averages,
-        which change every step, and the caches, which change at refreshes). None:
-        one group.
+        are in group 1), or the group (0 or 1) of each of its leaves; each group has
+        buffers of its own, so that `pack_owner` can rewrite one group and pass the
+        other's rows on (e.g. the moving averages, which change every step, and the
+        caches, which change at refreshes). None: one group.
     """
 
     def __init__(
@@ -124,7 +137,7 @@ class PackLayout:
         items: Sequence[Any],
         owners: Sequence[int],
         num_devices: int,
-        front: Sequence[int] | None = None,
+        front: Sequence[int | Sequence[int]] | None = None,
     ):
         if len(items) != len(owners):
             raise ValueError(f"{len(items)} items but {len(owners)} owners.")
@@ -137,10 +150,11 @@ class PackLayout:
         for i, item in enumerate(items):
             leaves, treedef = jax.tree.flatten(item)
             self.treedefs.append(treedef)
+            groups = _leaf_groups(front[i], len(leaves), i)
             leaves_of.append(
                 [
-                    (tuple(np.shape(x)), (int(j >= front[i]), jnp.dtype(x.dtype)))
-                    for j, x in enumerate(leaves)
+                    (tuple(np.shape(x)), (g, jnp.dtype(x.dtype)))
+                    for g, x in zip(groups, leaves, strict=True)
                 ]
             )
             keys.extend(key for _, key in leaves_of[-1] if key not in keys)

@@ -110,3 +110,14 @@ def test_axpy_and_scale_keep_each_leaf_dtype():
     assert out["a"].dtype == jnp.bfloat16 and float(out["a"][0]) == 3.0
     np.testing.assert_array_equal(_tree.tree_scale(0.5, x)["b"], 0.5)
     assert _tree.tree_scale(0.5, x)["a"].dtype == jnp.bfloat16
+
+
+def test_leaves_changed_reads_which_leaves_a_function_passes_on():
+    def update(tree, x):
+        return dict(a=tree["a"], b=tree["b"] * x, c=jnp.where(x > 0, tree["c"], 0.0))
+
+    tree = dict(a=jnp.ones(2), b=jnp.ones(3), c=jax.ShapeDtypeStruct((4,), jnp.float32))
+    assert _tree.leaves_changed(update, tree, 1.0) == [False, True, True]
+    assert _tree.leaves_changed(lambda t: t, tree) == [False, False, False]
+    with pytest.raises(ValueError, match="expected that of its first argument"):
+        _tree.leaves_changed(lambda t: (t["a"],), tree)

@@ -428,3 +428,19 @@ def test_pmap_with_sharded_state_equals_replicated_and_keeps_one_row_per_device(
     # Each device holds its own row: [devices, 1, length], no copy of the others'.
     for buffer in state.estimator_state.buffers:
         assert buffer.shape[:2] == (N, 1)
+
+
+def test_pack_layout_groups_leaves_one_by_one():
+    """``front`` as a group per leaf: a refresh-only leaf between two rewritten ones keeps
+    its rows when group 0 is packed again."""
+    item = dict(a=jnp.arange(2.0), b=jnp.arange(3.0) + 10, c=jnp.arange(1.0) + 20)
+    layout = _sharded_state.PackLayout([item], [0], 1, front=[[0, 1, 0]])
+    assert [g for g, _ in layout.keys] == [0, 1]
+    rows = layout.pack_owner(0, {0: item})
+    new = jax.tree.map(lambda x: -x, item)
+    again = layout.unpack_owner(0, layout.pack_owner(0, {0: new}, rows, group=0))[0]
+    np.testing.assert_array_equal(again["a"], new["a"])
+    np.testing.assert_array_equal(again["b"], item["b"])
+    np.testing.assert_array_equal(again["c"], new["c"])
+    with pytest.raises(ValueError, match=r"front\[0\] = \[0, 2, 0\]"):
+        _sharded_state.PackLayout([item], [0], 1, front=[[0, 2, 0]])
