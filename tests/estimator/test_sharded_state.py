@@ -444,3 +444,41 @@ def test_pack_layout_groups_leaves_one_by_one():
     np.testing.assert_array_equal(again["c"], new["c"])
     with pytest.raises(ValueError, match=r"front\[0\] = \[0, 2, 0\]"):
         _sharded_state.PackLayout([item], [0], 1, front=[[0, 2, 0]])
+
+
+def _masked_loss(params, batch):
+    """A dense layer whose weight is masked (`MappedBlock` in a `ViewBlock`), a plain one."""
+    x, y = batch
+    mask = np.tril(np.ones(params["w1"].shape))
+    h = jnp.tanh(x @ (params["w1"] * mask))
+    logits = h @ params["w2"]
+    kfacx.register_softmax_cross_entropy_loss(logits, y)
+    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, y))
+
+
+def test_cache_entries_the_statistics_update_writes_go_with_the_moving_averages():
+    """A masked weight's block keeps its map's derivative (``scales``) in its cache and
+    its statistics update writes it: the sharded layout rewrites it with the moving
+    averages every step (group 0), and the inverses only at refreshes (group 1)."""
+    params = dict(w1=np.ones((5, 4)), w2=np.ones((4, 3)))
+    est = kfacx.BlockDiagonalCurvature(_masked_loss)
+    est.init(jax.random.key(0), (params, make_batch(n=8)))
+    plan = _sharded_curvature.plan_for(est, 2)
+    layout = plan.state_layout
+    group = {
+        (e.item, e.leaf): layout.keys[k][0]
+        for rows in layout.entries
+        for k, entries in enumerate(rows)
+        for e in entries
+    }
+    for item, state in enumerate(plan.state_shapes):
+        for leaf, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(state)[0]):
+            name = jax.tree_util.keystr(path)
+            want = 0 if ".factors" in name or ".scales" in name else 1
+            assert group[item, leaf] == want, (type(plan.units.blocks[item]).__name__, name)
+    names = [
+        jax.tree_util.keystr(p)
+        for p, _ in jax.tree_util.tree_flatten_with_path(plan.state_shapes[0])[0]
+    ]
+    assert any(".scales" in n for n in names), names
+    assert not plan._refresh_writes_front
