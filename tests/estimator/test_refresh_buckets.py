@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 import kfacx
+from kfacx._helpers import _tree
 from kfacx.estimator import _refresh
 
 B, V, E, C, L, W = 8, 11, 6, 3, 2, 70
@@ -126,9 +127,14 @@ def _estimator(family: str) -> tuple:
 
 @pytest.mark.parametrize("family", ["kfac", "kfac_reduce", "tnt", "ekfac"])
 def test_the_model_has_every_kind_of_block_and_its_factors_fill_two_buckets(family):
-    est = _estimator(family)[0]
+    est, state = _estimator(family)[:2]
     if family == "kfac":
         assert [type(b).__name__ for b in est.blocks] == KFAC_BLOCKS
+    # Every block's refresh passes its moving averages on unchanged (the sharded state
+    # rewrites only the caches' rows at a refresh; tests/blocks/test_refresh_contract.py).
+    for block, block_state in zip(est.blocks, state.blocks, strict=True):
+        changed = _tree.leaves_changed(block.update_cache, block_state, jnp.float32(DAMPING))
+        assert not any(changed[: len(jax.tree.leaves(block_state.factors))]), block
     plan = _refresh.abstract_plan(est.blocks, est._cache_spec)
     if family == "ekfac":
         # EKFAC's eigenbases are no damped inverses: every block is its own unit, so its
