@@ -14,6 +14,7 @@ Configurations:
   ``vs_kfac_jax.py --config standard|adaptive``;
 * ``pmap``: the standard step under `jax.pmap` over 2 CPU devices;
 * ``mesh``: the standard step jit-compiled over a 2-device mesh;
+* ``sharded``: the same with the curvature state sharded (``shard_curvature_state``);
 * ``optax``: ``estimator.value_grads_and_curvature_stats`` followed by
   ``optax.chain(kfacx.scale_by_kfac(...), optax.sgd(...))``'s update.
 
@@ -85,9 +86,9 @@ def _pmap_text() -> str:
     return pmapped.lower(rep(params), state, rngs, batch, values).as_text()
 
 
-def _mesh_text() -> str:
+def _mesh_text(**extra) -> str:
     mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-    _, opt, params, batch, values = _setup("standard", mesh=mesh)
+    _, opt, params, batch, values = _setup("standard", mesh=mesh, **extra)
     state = opt.init(params, jax.random.key(0), batch)
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
     batch = jax.device_put(batch, sharding)
@@ -120,6 +121,7 @@ CONFIGS = {
     "adaptive": lambda: _step_text("adaptive"),
     "pmap": _pmap_text,
     "mesh": _mesh_text,
+    "sharded": lambda: _mesh_text(shard_curvature_state=True),
     "optax": _optax_text,
 }
 
