@@ -360,3 +360,23 @@ def test_stacked_layers_are_served_through_their_maps():
     }
     d = np.concatenate([np.ravel(ref["ls"]), np.full(params["w"].size, 2.0)])
     np.testing.assert_allclose(dense, d[:, None] * ref_dense * d[None, :], rtol=1e-10, atol=1e-12)
+
+
+def test_a_scanned_softplus_scale_is_found_through_the_optimizers_value_and_grad():
+    """The optimizer detects layers in ``value_and_grad(loss)``'s forward pass. There a
+    scanned ``softplus(s)`` is a jit that also takes its backward pass's constants (as
+    scan consts); they are dropped with the residuals, so the scale is served through
+    its map, as the estimator of ``loss`` itself serves it (it was a diagonal block)."""
+    _, data, *_ = problem()
+    params = dict(s=_random(np.random.default_rng(4), 3, DI))
+
+    def loss_fn(p, data):
+        scale = lambda h, s: (h * jax.nn.softplus(s)[None], None)  # noqa: E731
+        return _squared_loss(jax.lax.scan(scale, data[0], p["s"])[0], data[0][::-1])
+
+    opt = kfacx.Optimizer(jax.value_and_grad(loss_fn), num_burnin_steps=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no parameter falls back to a diagonal block
+        opt.init(params, KEY, data)
+    blocks = {e.path: e.block for e in opt.estimator.report.entries}
+    assert blocks == {"s": "StackedBlock(ViewBlock(MappedBlock(ScaleAndShiftDiagonal)))"}

@@ -251,6 +251,34 @@ def test_dce_drops_unused_work_but_keeps_tags():
     assert _jaxpr.dce(pruned) is pruned  # nothing left to drop
 
 
+def test_dce_drops_the_operands_a_jit_and_a_scan_no_longer_read():
+    """Differentiated inside a scan, ``softplus`` (a jit) takes its backward pass's
+    constants, which the scan takes as consts; once the residuals are dropped, neither
+    reads them, and the value is computed from the scale alone."""
+
+    def loss(s, x):
+        h, _ = jax.lax.scan(lambda h, s: (h * jax.nn.softplus(s)[None], None), x, s)
+        return jnp.sum(h)
+
+    s = np.stack([W[0], W[1]])[:, :3]
+    closed = jax.make_jaxpr(lambda s, x: jax.value_and_grad(loss)(s, x)[0])(s, X)
+    pruned = _jaxpr.dce(closed)
+    (scan,) = [e for e in pruned.jaxpr.eqns if _jaxpr.is_scan(e)]
+    assert _jaxpr.scan_counts(scan.params)[0] == 0  # no consts left
+    (call,) = [e for e in scan.params["jaxpr"].jaxpr.eqns if e.primitive.name in ("jit", "pjit")]
+    assert len(call.invars) == 1 and call.params["name"] == "softplus"
+    assert len(call.params["in_shardings"]) == 1
+    assert [e.primitive.name for e in pruned.jaxpr.eqns] == ["scan", "reduce_sum"]
+    np.testing.assert_allclose(
+        _jaxpr.eval_jaxpr(pruned.jaxpr, pruned.consts, [s, X])[0], loss(s, X), rtol=1e-6
+    )
+    # A jit asked to keep its unused operands keeps them.
+    for keep_unused, operands in ((False, 1), (True, 2)):
+        two = jax.jit(lambda a, b: (jnp.sin(a), jnp.cos(b)), keep_unused=keep_unused)
+        (call,) = _jaxpr.dce(jax.make_jaxpr(lambda a, b, two=two: two(a, b)[0])(X, X)).jaxpr.eqns
+        assert len(call.invars) == operands and len(call.outvars) == 1
+
+
 def test_sink_invariants_moves_a_hoisted_broadcast_into_the_scan_body():
     def f(x, ws, b):
         bb = jnp.broadcast_to(b, (2, 3))

@@ -234,7 +234,8 @@ def _with_recipes(body, operands, recipes, roots) -> tuple[list, jex.core.Closed
 
 def dce(closed: jex.core.ClosedJaxpr) -> jex.core.ClosedJaxpr:
     """Drops the equations whose results are unused, also inside jit and remat bodies
-    and scan bodies (a scan's unused stacked outputs go too).
+    and scan bodies (a scan's unused stacked outputs go too, and so do the operands of a
+    jit and the consts of a scan that their bodies then no longer read).
 
     Tags and effectful equations are always kept. This removes, e.g., the
     backward pass of a function built as ``jax.value_and_grad(f)(...)[0]``
@@ -280,17 +281,43 @@ def _dce(jaxpr: Jaxpr, used_outputs: Sequence[bool]) -> Jaxpr:
 
 def _prune_scan(eqn: JaxprEqn, used: Sequence[bool]) -> JaxprEqn:
     """Drops a scan's unused stacked outputs (``ys``: e.g. the residuals a
-    differentiated scan saves for its backward pass) and what only they need."""
-    ncarry = scan_counts(eqn.params)[1]
+    differentiated scan saves for its backward pass), what only they need, and the
+    consts the body then no longer reads (the backward pass's constants)."""
+    nconsts, ncarry = scan_counts(eqn.params)
     keep = [True] * ncarry + list(used[ncarry:])
     body = eqn.params["jaxpr"]
     inner = _dce(body.jaxpr, keep)
     if inner is body.jaxpr:
         return eqn
     outvars = [v for v, k in zip(eqn.outvars, keep, strict=True) if k]
-    params = dict(eqn.params, jaxpr=jex.core.ClosedJaxpr(inner, body.consts))
-    params = scan_params(params, scan_counts(params)[0], len(eqn.invars), len(outvars))
-    return eqn.replace(params=params, outvars=outvars)
+    read = _read(inner)
+    kept = [i >= nconsts or id(v) in read for i, v in enumerate(inner.invars)]
+    params = dict(eqn.params)
+    invars = eqn.invars
+    if not all(kept) and _prune_per_operand(params, ("linear",), kept):
+        inner = inner.replace(invars=[v for v, k in zip(inner.invars, kept, strict=True) if k])
+        invars = [v for v, k in zip(eqn.invars, kept, strict=True) if k]
+        nconsts = sum(kept[:nconsts])
+    params["jaxpr"] = jex.core.ClosedJaxpr(inner, body.consts)
+    params = scan_params(params, nconsts, len(invars), len(outvars))
+    return eqn.replace(params=params, invars=invars, outvars=outvars)
+
+
+def _read(jaxpr: Jaxpr) -> set[int]:
+    """The ids of the variables ``jaxpr``'s equations and outputs read."""
+    read = {id(v) for e in jaxpr.eqns for v in e.invars}
+    return read | {id(v) for v in jaxpr.outvars}
+
+
+def _prune_per_operand(params: dict, names: Sequence[str], kept: Sequence[bool]) -> bool:
+    """Keeps the ``kept`` entries of the per-operand ``params`` ``names`` (in place);
+    False, changing nothing, where one of them does not have an entry per operand."""
+    present = [n for n in names if params.get(n) is not None]
+    if any(len(params[n]) != len(kept) for n in present):
+        return False
+    for n in present:
+        params[n] = tuple(x for x, k in zip(params[n], kept, strict=True) if k)
+    return True
 
 
 def _open(body: Any) -> Jaxpr:
@@ -316,12 +343,22 @@ def _prune_call(eqn: JaxprEqn, used: Sequence[bool]) -> JaxprEqn:
     if inner is _open(body):
         return eqn
     params = dict(eqn.params)
-    params[key] = _reclose(body, inner)
     for name in _PRUNABLE_CALLS[eqn.primitive.name]:
         if name in params:
             params[name] = tuple(x for x, u in zip(params[name], used, strict=True) if u)
     outvars = [v for v, u in zip(eqn.outvars, used, strict=True) if u]
-    return eqn.replace(params=params, outvars=outvars)
+    invars = eqn.invars
+    # A jit also drops the operands its body no longer reads (a differentiated function
+    # keeps those of its dropped residuals), unless it was asked to keep them.
+    if eqn.primitive.name in ("jit", "pjit") and not params.get("keep_unused", False):
+        read = _read(inner)
+        kept = [id(v) in read for v in inner.invars]
+        per_operand = ("in_shardings", "in_layouts", "donated_invars")
+        if not all(kept) and _prune_per_operand(params, per_operand, kept):
+            inner = inner.replace(invars=[v for v, k in zip(inner.invars, kept, strict=True) if k])
+            invars = [v for v, k in zip(eqn.invars, kept, strict=True) if k]
+    params[key] = _reclose(body, inner)
+    return eqn.replace(params=params, invars=invars, outvars=outvars)
 
 
 def _holds_loss_tag(eqn: JaxprEqn) -> bool:
