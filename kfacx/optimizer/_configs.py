@@ -39,16 +39,19 @@ class CurvatureConfig:
         eigendecompositions) instead of with factored "pi" damping.
       num_estimator_samples: sampled cotangents per example in the sampling modes.
       num_burnin_steps: curvature-only updates before the first step.
-      curvature_batch_fraction: estimate the curvature — the factor statistics
-        and the exact curvature products of the quadratic model — on this
-        leading fraction of each (micro-)batch only; the loss and the gradient
-        always use all of it (its examples by ``batch_size_extractor``; see
-        `BatchConfig` for batches whose arrays do not all run over them). With 1
-        the loss, gradient and statistics share one forward pass. The default
-        (None) is 1/8 of the batch, as in Martens & Grosse (2015), but at least
+      curvature_batch_fraction: estimate the curvature factors' statistics on
+        this leading fraction of each (micro-)batch only; the loss, the gradient
+        and the quadratic model's exact curvature products (adaptive learning
+        rate, momentum and damping) always use all of it (its examples by
+        ``batch_size_extractor``; see `BatchConfig` for batches whose arrays do
+        not all run over them). The factors are moving averages over many
+        steps, so a part of each batch estimates them well; the quadratic model
+        is solved on one batch, and its products must see the examples its
+        gradient sees (docs/numerics.md). With 1 the loss, gradient and
+        statistics share one forward pass. The default (None) is 1/8 of the
+        batch, as in Martens & Grosse (2015), but at least
         `AUTO_CURVATURE_EXAMPLES` (128) examples, i.e. all of a batch of up to
-        128: on the MNIST autoencoder at batch 1000 that halves the step time
-        and reaches a given loss in about as many steps (docs/benchmarks.md).
+        128.
       layer_tag_to_block_ctor: block classes per tag name (see
         `kfacx.BlockDiagonalCurvature`).
       auto_register_kwargs: arguments of `kfacx.auto_register_tags`.

@@ -9,7 +9,7 @@ into micro-batches folded by `jax.lax.scan` when asked, averaging over the real
   statistics (on the leading ``curvature_batch_fraction`` of each micro-batch);
 * `BatchPasses.loss_at`: the loss alone (for the damping adaptation);
 * `BatchPasses.curvature_gram`: exact curvature products ``v_i^T C v_j`` (for the
-  quadratic model), from the estimator's linearized losses.
+  quadratic model) over the whole batch, from the estimator's linearized losses.
 
 They are what the step needs of the loss function; the curvature itself is the
 estimator's business (`kfacx.BlockDiagonalCurvature`).
@@ -304,16 +304,19 @@ class BatchPasses:
 
     def curvature_gram(self, params, func_state, rng, batch, vectors) -> jax.Array:
         """``G[i, j] = v_i^T C v_j`` with ``C`` the exact Gauss-Newton (= Fisher for the
-        registered losses) averaged over the real examples of the batch (of its leading
-        ``curvature_batch_fraction``, like the curvature statistics)."""
+        registered losses) averaged over the real examples of the whole batch.
+
+        Always the whole batch, whatever ``curvature_batch_fraction``: the quadratic model
+        pairs these products with the gradient's inner products, which are the whole
+        batch's, and both must come from the same examples. With the products of a subset
+        and the gradient of the batch, the model's step along a direction the subset
+        barely curves is far too long: late in training, when a few examples carry the
+        loss, that multiplied the loss by 1e20 (docs/numerics.md)."""
         est = self.estimator
         k = len(vectors)
-        fraction = self.curvature_fraction(batch)
 
         def body(acc, chunk, state, index):
             gram_sum, total = acc
-            if fraction < 1.0:
-                chunk = self.subset(chunk, fraction)
             model_rng, _ = self.chunk_keys(rng, index)
             args = self.call.args(params, state, model_rng, chunk)
             losses, jvp = est.linearized_losses(args)

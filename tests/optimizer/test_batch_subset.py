@@ -1,10 +1,11 @@
 """A batch whose arrays do not all run over its examples: a graph batch (nodes and their
 graph index ``[graphs * nodes]``, targets ``[graphs]``) with ``batch_size_extractor``.
 
-The curvature subset, the micro-batches and the exact curvature products cut the batch
-by its examples (the extractor's size), never by the first array's rows; a batch that
-cannot be cut that way is a clear error, or the user cuts it
-(``curvature_subset_extractor``). References are built by hand, in float64.
+The curvature subset and the micro-batches cut the batch by its examples (the
+extractor's size), never by the first array's rows; a batch that cannot be cut that way
+is a clear error, or the user cuts it (``curvature_subset_extractor``). The quadratic
+model's curvature products are always the whole batch's. References are built by hand,
+in float64.
 """
 
 from __future__ import annotations
@@ -156,15 +157,17 @@ def test_subset_extractor_statistics_are_those_of_the_first_graphs(x64):
     for block_state, block_stats in zip(state.estimator_state.blocks, stats.blocks, strict=True):
         for factor, stat in zip(block_state.factors, block_stats, strict=True):
             np.testing.assert_allclose(factor.value, stat, rtol=1e-12, atol=1e-14)
-    # The exact curvature products of the quadratic model use the same subset.
+    # The quadratic model's exact curvature products are the whole batch's (they pair
+    # with the whole batch's gradient), not the subset's.
     vectors = (params, jax.tree.map(lambda p: jnp.cos(p) + 1.0, params))
     whole = make_opt(batch_size_extractor=count_graphs, curvature_batch_fraction=1.0)
-    whole.init(params, jax.random.key(0), restricted)
+    whole.init(params, jax.random.key(0), batch)
 
     def gram(o, b):
         return jax.jit(o._passes.curvature_gram)(params, None, jax.random.key(2), b, vectors)
 
-    np.testing.assert_allclose(gram(opt, batch), gram(whole, restricted), rtol=1e-12)
+    np.testing.assert_allclose(gram(opt, batch), gram(whole, batch), rtol=1e-12)
+    assert not np.allclose(gram(opt, batch), gram(whole, restricted), rtol=1e-3)
 
 
 def test_subset_extractor_must_return_the_requested_number_of_examples(x64):
