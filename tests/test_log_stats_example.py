@@ -1,5 +1,6 @@
 """examples/log_stats.py at a tiny size: its CSV file has every documented field of every
-step (``rho`` a number exactly on the damping adaptation steps) and its plot is a PNG."""
+step (``rho`` a number exactly on the damping adaptation steps and on the long steps that
+``long_step_ratio`` checks) and its plot is a PNG."""
 
 from __future__ import annotations
 
@@ -28,15 +29,24 @@ def test_log_stats_example_logs_every_field_of_every_step_and_plots(tmp_path, mo
     with open(log, newline="") as f:
         reader = csv.DictReader(f)
         header, rows = reader.fieldnames, list(reader)
-    fields = [name for name in page_fields() if name not in OPTIONAL] + ["aux/accuracy"]
+    # Adaptive damping with the default long_step_ratio: ``rejected`` is logged too.
+    optional = [name for name in OPTIONAL if name != "rejected"]
+    fields = [name for name in page_fields() if name not in optional] + ["aux/accuracy"]
     assert header[0] == "step" and sorted(header) == sorted(fields)
     assert [int(row["step"]) for row in rows] == list(range(STEPS))
     assert [int(row["data_seen"]) for row in rows] == [32 * (i + 1) for i in range(STEPS)]
     assert {row["skipped"] for row in rows} == {"False"}
+    previous = 0.0  # the velocity's norm: the last update that was not rejected
     for row in rows:
-        values = {name: float(row[name]) for name in header if name != "skipped"}
+        flags = ("skipped", "rejected")
+        values = {name: float(row[name]) for name in header if name not in flags}
         adapts = (values["step"] + 1) % ADAPTATION_INTERVAL == 0
-        assert math.isfinite(values["rho"]) == adapts, row
+        long_step = previous > 0 and values["update_norm"] > 2.0 * previous
+        assert math.isfinite(values["rho"]) == (adapts or long_step), row
+        if row["rejected"] == "False":
+            previous = values["update_norm"]
+        else:
+            assert long_step, row
         assert all(math.isfinite(v) for name, v in values.items() if name != "rho"), row
     assert float(rows[-1]["loss"]) < float(rows[0]["loss"])
 

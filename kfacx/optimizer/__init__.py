@@ -419,7 +419,8 @@ class Optimizer:
           - ``loss``: at the parameters before the step (mean over the batch).
           - ``learning_rate``, ``momentum``: this step's (given, scheduled or solved).
           - ``damping``: the damping this step used (an adapted one shows next step).
-          - ``rho``: the reduction ratio; NaN unless the step adapts the damping.
+          - ``rho``: the reduction ratio; NaN unless the step adapts the damping or
+            is a long step checked by ``long_step_ratio``.
           - ``quad_model_change``: the quadratic model's change; NaN unless the
             learning rate or the damping is adaptive.
           - ``grad_norm``, ``precon_grad_norm``, ``update_norm``: of the gradient
@@ -430,8 +431,9 @@ class Optimizer:
             the new state is not finite (e.g. NaN in the batch), or the damping is
             not positive: params, state (and func_state) are returned unchanged,
             bit for bit, and the step counter does not advance.
-          - ``rejected``: with ``use_step_rejection``: True when the step raised the
-            batch loss and was not applied (params and momentum kept).
+          - ``rejected``: with ``use_step_rejection``, or adaptive damping with
+            ``long_step_ratio`` (the default): True when the step raised the batch
+            loss and was not applied (params and momentum kept).
           - ``aux``: the loss function's aux output (with ``value_func_has_aux``).
 
         Raises:

@@ -413,6 +413,11 @@ class KfacStep:
             return jnp.nan, state.damping, jnp.nan, None
         if not damp_cfg.use_adaptive_damping:
             return quad_change, state.damping, jnp.nan, None
+        long_step = None if force else _long_step(damp_cfg.long_step_ratio, model, coeffs)
+        if long_step is not None:
+            return self._check_long_step(
+                state, quad_change, long_step, loss, params, new_params, loss_at, mask
+            )
 
         def reduction_ratio():
             return self._actual_change(loss_at, loss, params, new_params, mask) / quad_change
@@ -421,6 +426,35 @@ class KfacStep:
             damp_cfg, state.damping, state.step_counter, reduction_ratio, force
         )
         return quad_change, new_damping, rho, None
+
+    def _check_long_step(
+        self, state, quad_change, long_step, loss, params, new_params, loss_at, mask
+    ):
+        """`_adapt_damping` with ``long_step_ratio``: the loss at the new parameters is
+        evaluated on the adaptation steps and on the long steps (one `jax.lax.cond`). On
+        an adaptation step the damping follows the Levenberg-Marquardt rule; on a long
+        step it may only grow, and a long step that raised the objective is rejected
+        (and counts as a ratio below ``damping_lower_threshold``: the damping grows)."""
+        cfg, damping = self.damping, state.damping
+        adapt = _damping.is_adaptation_step(cfg, state.step_counter)
+
+        def measured(_):
+            change = self._actual_change(loss_at, loss, params, new_params, mask)
+            rho = jnp.asarray(change / quad_change, jnp.float32)
+            rejected = long_step & ~(change <= 0)
+            # A rejected step counts as a ratio below the lower threshold (as with
+            # use_step_rejection): with a given learning rate the model may predict the
+            # rise itself, and a positive ratio would then lower the damping.
+            ratio = jnp.where(rejected, cfg.damping_lower_threshold - 1.0, rho)
+            adapted = _damping.levenberg_marquardt(cfg, damping, ratio)
+            new_damping = jnp.where(adapt, adapted, jnp.maximum(adapted, damping))
+            return new_damping.astype(damping.dtype), rho, rejected
+
+        def skipped(_):
+            return damping, jnp.asarray(jnp.nan, jnp.float32), jnp.zeros((), bool)
+
+        new_damping, rho, rejected = jax.lax.cond(adapt | long_step, measured, skipped, None)
+        return quad_change, new_damping, rho, rejected
 
     def _check_step(self, state, quad_change, loss, params, new_params, loss_at, mask):
         """`_adapt_damping` with ``use_step_rejection``: the actual change of the objective
@@ -447,3 +481,16 @@ class KfacStep:
             new_loss = self._pmean(new_loss)
         reg = self.regularization.penalty_change(new_params, params, mask)
         return new_loss - loss + reg
+
+
+def _long_step(ratio, model, coeffs):
+    """Whether the step ``coeffs[0] p + coeffs[1] v`` is more than ``ratio`` times as
+    long as the previous update ``v`` (a traced bool; False on the first step, with no
+    velocity yet), from the quadratic model's inner products ``[[p.p, p.v], [p.v,
+    v.v]]``, which every device has alike; None when ``ratio`` is None."""
+    if ratio is None:
+        return None
+    norms = model.norms
+    step_sq = coeffs @ norms @ coeffs
+    previous_sq = norms[1, 1]
+    return (previous_sq > 0) & (step_sq > ratio**2 * previous_sq)

@@ -67,7 +67,8 @@ CONFIGS = {
     "has_aux": (loss_with_aux, PLAIN, True),
     "rejection": (loss_fn, dict(ADAPTIVE, use_step_rejection=True), False),
 }
-#: Fields present only with an option: ``rejected`` (use_step_rejection), ``aux``.
+#: Fields present only with an option: ``rejected`` (use_step_rejection, or adaptive
+#: damping with the default long_step_ratio), ``aux``.
 OPTIONAL = ("rejected", "aux")
 
 
@@ -103,7 +104,8 @@ def test_page_and_docstring_document_the_same_fields():
 def test_documented_fields_are_the_returned_keys_with_their_dtypes(name):
     stats, documented = returned_stats(name), page_fields()
     absent = {"aux"} if not CONFIGS[name][2] else set()
-    if not CONFIGS[name][1].get("use_step_rejection"):
+    options = CONFIGS[name][1]
+    if not (options.get("use_step_rejection") or options.get("use_adaptive_damping")):
         absent.add("rejected")
     expected = set(documented) - absent
     assert set(stats) == expected
