@@ -1,4 +1,4 @@
-"""Detection fuzzer, long run (issue 39): random small models through layer detection.
+"""Detection fuzzer, long run: random small models through layer detection.
 
 Run:  python benchmarks/fuzz_detection.py --examples 10000 --seed 0
 

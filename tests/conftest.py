@@ -101,7 +101,7 @@ def pytest_collection_modifyitems(config, items):
 gc.set_threshold(100_000, 50, 1_000)
 
 
-def pytest_collection_finish(session):
+def pytest_collection_finish():
     """The modules, tests and fixtures collected live until the end: out of the scans."""
     gc.collect()
     gc.freeze()
@@ -109,7 +109,7 @@ def pytest_collection_finish(session):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_unconfigure(config):
-    """An xdist worker has sent its results (at session finish): it ends here, without
+    """An xdist worker has sent its results (when the run finishes): it ends here, without
     the interpreter's teardown (pytest's final garbage collection and JAX's freeing of
     every cached program: about 7 s per worker after a whole run, checking nothing)."""
     if hasattr(config, "workerinput"):

@@ -1,4 +1,4 @@
-"""Modern architectures under automatic detection (issue 12: keep what works today working).
+"""Modern architectures under automatic detection: what works today keeps working.
 
 Small models written in plain JAX the way people write them: a one-block decoder
 with GQA attention (einsum projections on raw parameters, fewer kv heads than q

@@ -427,8 +427,9 @@ class ConvTwoKroneckerFactored(TwoKroneckerFactored):
         w = w.reshape((self.in_per_group, *self.kernel_spatial, self.groups * self.out_per_group))
         w = jnp.transpose(w, np.argsort((i, *spatial, o)))
         # The bias in its parameter's shape ([out] or, e.g., a row [1, out] added to the
-        # output): reshape(-1) returned [out] for a [1, out] bias, and the optimizer's
-        # jvp of the update then failed on the mismatched tangent (issue 39's fuzzer).
+        # output): reshape(-1) would return [out] for a [1, out] bias, and the optimizer's
+        # jvp of the update would fail on the mismatched tangent (a case the detection
+        # fuzzer draws).
         return (w, b.reshape(self.parameters_shapes[1])) if self.has_bias else (w,)
 
     def patches(self, x: jax.Array) -> jax.Array:

@@ -200,8 +200,9 @@ def _bias_fits(pattern, meta: dict, params, exprs) -> bool:
     """Whether a dense or conv match's bias (its second parameter, as the layer reads it)
     has the layer's output features, leading ones aside (`kfacx.register_dense`'s
     contract). A bias broadcast from one entry (``x @ w + jnp.broadcast_to(b, (1, n))``
-    with ``b: [1]``) was tagged as the layer's bias and the estimator's block refused it
-    at set-up (issue 39's fuzzer); refused here, the layer is matched without it."""
+    with ``b: [1]``) taken for the layer's bias would be refused by the estimator's block
+    at set-up (a case the detection fuzzer draws); refused here, the layer is matched
+    without it."""
     name = pattern.tag_primitive.name
     shapes = [v.aval.shape for v in params]
     if exprs is not None:
@@ -229,7 +230,8 @@ def _spans_batch(pattern, params, exprs, output_var) -> bool:
     output's leading (batch) axis: then it is no per-feature parameter but one value per
     row (``h + w`` with ``w`` shaped like ``h``, where a weight's first size equals the
     batch size), and a full block's per-example gradients could not broadcast it over one
-    example (issue 39's fuzzer: an internal ValueError in the scale-and-shift compute)."""
+    example (a case the detection fuzzer draws: the scale-and-shift compute would raise
+    an internal ValueError)."""
     if pattern.tag_primitive.name != tags.scale_and_shift.name:
         return False
     out = output_var.aval.shape
@@ -248,11 +250,12 @@ def _constant_inputs(graph, inputs) -> bool:
     """Whether a match's inputs are constants that are not the batch's: a ramp, a mask or
     indices from ``np.arange`` (``b + iota``, ``w[perm]``). Such a "layer" is the
     parameter through a map with constant operands, which a layer that uses the result
-    may read as a view; matched as a layer, its statistics took the constant's rows for
-    the batch's examples and the curvature was wrong (issue 39's fuzzer: a layer norm's
-    offset plus a ramp became a shift layer on the ramp; ``x @ w[perm]`` an embedding of
-    the indices). A constant whose rows are the batch's and all equal (an RNN's zero
-    initial state) is still a layer's input (`_batch_constant`)."""
+    may read as a view; matched as a layer, its statistics would take the constant's rows
+    for the batch's examples and the curvature would be wrong (cases the detection fuzzer
+    draws: a layer norm's offset plus a ramp would become a shift layer on the ramp,
+    ``x @ w[perm]`` an embedding of the indices). A constant whose rows are the batch's
+    and all equal (an RNN's zero initial state) is still a layer's input
+    (`_batch_constant`)."""
     if not inputs or not all(graph.constants.is_constant(v) for v in inputs):
         return False
     return not all(_batch_constant(graph, v) for v in inputs)

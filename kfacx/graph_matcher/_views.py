@@ -249,8 +249,8 @@ def servable(pattern, meta: dict, exprs: tuple, shapes: Sequence, stacked: bool)
 def _batch_dims(meta: dict) -> tuple:
     """The batch dimensions of a dense layer's contraction; none for a convolution, whose
     ``dimension_numbers`` are a `jax.lax.ConvDimensionNumbers` (lhs, rhs and output
-    specs): unpacking those as a contraction raised an internal ValueError for a
-    convolution whose bias is a view (issue 39's fuzzer)."""
+    specs): unpacking those as a contraction would raise an internal ValueError for a
+    convolution whose bias is a view (a case the detection fuzzer draws)."""
     dims = meta.get("dimension_numbers")
     if dims is None or isinstance(dims, jax.lax.ConvDimensionNumbers):
         return (), ()

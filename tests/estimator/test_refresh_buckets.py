@@ -1,6 +1,6 @@
-"""The bucketed refresh computes what each block's own refresh computes (issue 41's
-equality bar): in float64, to 1e-10, for every block family and for the tied, stacked,
-view and sliced blocks, and under every placement of the optimizer's step.
+"""The bucketed refresh computes what each block's own refresh computes: in float64,
+to 1e-10, for every block family and for the tied, stacked, view and sliced blocks, and
+under every placement of the optimizer's step.
 
 `update_cache` pads the factors of all blocks with a damped-inverse plan
 (`kfacx.blocks.CurvatureBlock.inverse_refresh`) into size buckets and inverts each

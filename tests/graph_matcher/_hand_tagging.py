@@ -1,4 +1,4 @@
-"""Auto-tagged against hand-tagged curvature, for the detection tests of issue 30.
+"""Auto-tagged against hand-tagged curvature, for the detection tests.
 
 `assert_curvature_equals_hand_tagging` compares, factor by factor, the ``ggn_exact``
 curvature of a model whose layers are detected with that of the same model whose layers

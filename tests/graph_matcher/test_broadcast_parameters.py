@@ -1,4 +1,4 @@
-"""Parameters tiled or broadcast into the batch (issue 30).
+"""Parameters tiled or broadcast into the batch.
 
 A learned query of an attention-pooling head (big_vision's MAP head:
 ``jnp.tile(probe, [B, 1, 1])`` as the query of ``nn.MultiHeadDotProductAttention``), a

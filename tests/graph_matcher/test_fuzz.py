@@ -1,4 +1,4 @@
-"""Property-based fuzzer of layer detection (issue 39).
+"""Property-based fuzzer of layer detection.
 
 Random small models (tests/graph_matcher/_fuzz_models.py) through
 `kfacx.auto_register_tags`: detection never raises anything but kfacx's documented

@@ -1,4 +1,4 @@
-"""Normalisations written in every ordering published code uses (issue 30).
+"""Normalisations written in every ordering published code uses.
 
 A normalisation's affine part is one scale-and-shift layer on ``x_hat = (x - m) / std``
 however the code folds the scale in: ``x_hat * g + b``, ``(x - m) * (g * rsqrt(v + eps))
