@@ -30,8 +30,8 @@ This is why kfacx's CPU refresh inverts a bucket's matrices one at a time
 (`jax.lax.map` in `kfacx.linalg.cholesky_inverse_padded`), and why `kfacx.linalg`
 decomposes any stack one matrix at a time on the CPU
 (`kfacx.linalg._common.one_at_a_time_on_cpu`), at the cost of about 150
-kernels (docs/benchmarks.md, "The floor of the full step" and "The chained batched
-refresh, measured and left").
+kernels (docs/performance_notes.md, "The floor of a step" and "The CPU refresh loops
+over matrices").
 
 Run:  python benchmarks/cpu_lapack_hang.py [--timeout 40]
 """

