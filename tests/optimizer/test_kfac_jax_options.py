@@ -31,7 +31,7 @@ from _kfac_jax_options_cases import (
 
 import kfacx
 from kfacx.optimizer import _calibration, _configs
-from kfacx.optimizer._configs import KFAC_JAX_FIXED, KFAC_JAX_ONLY
+from kfacx.optimizer._kfac_jax_names import KFAC_JAX_FIXED, KFAC_JAX_ONLY
 
 # ----------------------------------------------------------------------------- the option list
 
